@@ -1,0 +1,1 @@
+"""Benchmarks of vision_mlp_bwd against XLA (run `python -m benchmarks.run`)."""

@@ -1,0 +1,150 @@
+"""One mapping from the user's `precision` argument to how every dot is computed.
+
+Users pass what `jnp.matmul` takes (`None`, a `jax.lax.Precision`, or a
+`jax.lax.DotAlgorithmPreset`). We canonicalise it to a `DotMode`, which both
+the XLA reference (`jnp_precision`) and the kernels (`dot`) understand, so the
+two paths always agree on what a precision means.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class DotMode(enum.Enum):
+  """How a float32 matrix product is computed."""
+
+  TF32 = "tf32"            # tensor cores on TF32 operands (XLA's GPU default)
+  F32 = "f32"              # true fp32 products (slow on tensor-core GPUs)
+  BF16X3 = "bf16x3"        # fp32 split into bf16 hi+lo, three bf16 products
+  F16 = "f16"              # operands cast to float16, fp32 accumulation
+  BF16 = "bf16"            # operands cast to bfloat16, fp32 accumulation
+
+  @property
+  def operand_dtype(self):
+    """The 16-bit dtype operands are cast to, or None for 32-bit modes."""
+    return {DotMode.F16: jnp.float16, DotMode.BF16: jnp.bfloat16}.get(self)
+
+
+# HIGHEST must be fp32-class: relative Frobenius error <= 1e-5 on every output.
+# bf16x3 meets that (see README, "Precision") and runs about 2x faster in
+# Triton than tf32x3, so it is what HIGHEST means here.
+_HIGHEST = DotMode.BF16X3
+
+_PRECISION_TO_MODE = {
+    lax.Precision.DEFAULT: DotMode.TF32,
+    lax.Precision.HIGH: DotMode.BF16X3,
+    lax.Precision.HIGHEST: _HIGHEST,
+}
+
+_PRESET_TO_MODE = {
+    lax.DotAlgorithmPreset.DEFAULT: DotMode.TF32,
+    lax.DotAlgorithmPreset.TF32_TF32_F32: DotMode.TF32,
+    lax.DotAlgorithmPreset.F32_F32_F32: DotMode.F32,
+    lax.DotAlgorithmPreset.BF16_BF16_F32_X3: DotMode.BF16X3,
+    lax.DotAlgorithmPreset.F16_F16_F32: DotMode.F16,
+    lax.DotAlgorithmPreset.BF16_BF16_F32: DotMode.BF16,
+}
+
+_STRING_TO_PRECISION = {
+    "default": lax.Precision.DEFAULT,
+    "high": lax.Precision.HIGH,
+    "highest": lax.Precision.HIGHEST,
+}
+
+SUPPORTED = (
+    "None, 'default', 'high', 'highest', jax.lax.Precision.{DEFAULT,HIGH,HIGHEST}, "
+    "jax.lax.DotAlgorithmPreset.{"
+    + ",".join(p.name for p in _PRESET_TO_MODE)
+    + "}"
+)
+
+
+def canonicalize(precision) -> DotMode:
+  """Maps a `jnp.matmul`-style precision to a DotMode, or raises ValueError."""
+  if precision is None:
+    return DotMode.TF32
+  if isinstance(precision, DotMode):
+    return precision
+  if isinstance(precision, str):
+    key = precision.lower()
+    if key not in _STRING_TO_PRECISION:
+      raise ValueError(f"precision={precision!r} is not supported; expected one of {SUPPORTED}.")
+    precision = _STRING_TO_PRECISION[key]
+  if isinstance(precision, tuple) and len(precision) == 2 and precision[0] == precision[1]:
+    precision = precision[0]
+  if isinstance(precision, lax.Precision):
+    return _PRECISION_TO_MODE[precision]
+  if isinstance(precision, lax.DotAlgorithmPreset) and precision in _PRESET_TO_MODE:
+    return _PRESET_TO_MODE[precision]
+  raise ValueError(f"precision={precision!r} is not supported; expected one of {SUPPORTED}.")
+
+
+def jnp_precision(mode: DotMode):
+  """The `precision=` argument that makes XLA compute a dot the way `mode` says."""
+  return {
+      DotMode.TF32: lax.Precision.DEFAULT,
+      DotMode.F32: lax.Precision.HIGHEST,
+      DotMode.BF16X3: lax.DotAlgorithmPreset.BF16_BF16_F32_X3,
+      DotMode.F16: lax.DotAlgorithmPreset.F16_F16_F32,
+      DotMode.BF16: lax.DotAlgorithmPreset.BF16_BF16_F32,
+  }[mode]
+
+
+def xla_dot_general(a, b, dimension_numbers, mode: DotMode):
+  """`lax.dot_general` with fp32 output, computed as `mode` says, for XLA code.
+
+  16-bit modes cast the operands explicitly (every backend accepts that);
+  bf16x3 uses XLA's preset on GPU and true fp32 elsewhere, which is at least
+  as accurate.
+  """
+  if mode.operand_dtype is not None:
+    a, b = a.astype(mode.operand_dtype), b.astype(mode.operand_dtype)
+    precision = None
+  elif a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
+    precision = None  # 16-bit products are exact in fp32: every 32-bit mode agrees.
+  elif mode in (DotMode.BF16X3, DotMode.F32) and jax.default_backend() != "gpu":
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    precision = lax.Precision.HIGHEST
+  else:
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+    precision = jnp_precision(mode)
+  return lax.dot_general(
+      a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
+  )
+
+
+def _split_bf16(x):
+  hi = x.astype(jnp.bfloat16)
+  lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return hi, lo
+
+
+def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0):
+  """A tile product inside a Pallas kernel, computed as `mode` says.
+
+  `a` and `b` are 2-D tiles; the product contracts `a`'s axis `contract_a` with
+  `b`'s axis `contract_b` and returns fp32. This is the only place where a
+  kernel decides how to multiply, so every kernel honours `precision` alike.
+  """
+  dims = (((contract_a,), (contract_b,)), ((), ()))
+
+  def dot(x, y, precision=None):
+    return lax.dot_general(x, y, dims, precision=precision, preferred_element_type=jnp.float32)
+
+  if mode.operand_dtype is not None:
+    return dot(a.astype(mode.operand_dtype), b.astype(mode.operand_dtype))
+  if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
+    return dot(a, b)  # 16-bit products are exact in fp32: every 32-bit mode agrees.
+  a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  if mode == DotMode.BF16X3:
+    a_hi, a_lo = _split_bf16(a)
+    b_hi, b_lo = _split_bf16(b)
+    return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
+  if mode == DotMode.F32:
+    return dot(a, b, lax.Precision.HIGHEST)
+  return dot(a, b, lax.Precision.DEFAULT)

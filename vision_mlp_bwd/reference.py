@@ -1,0 +1,74 @@
+"""Pure-`jnp` forward and backward of the vision MLP: the oracle for every test.
+
+Layouts follow torch `nn.Linear` (and the SOL-ExecBench contract): weights are
+`[out_features, in_features]`, so `fc1_weight` is `[I, H]` and `fc2_weight` is
+`[H, I]`. Activations are `[S, H]` / `[S, I]`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from vision_mlp_bwd.precision import DotMode, canonicalize, xla_dot_general
+
+SQRT_2_OVER_PI = 0.7978845608028654
+GELU_CUBIC = 0.044715
+
+# dot_general dimension numbers for the four products of the MLP.
+_ROWS_TIMES_WEIGHT_T = (((1,), (1,)), ((), ()))   # [S,K] x [N,K] -> [S,N]
+_ROWS_TIMES_WEIGHT = (((1,), (0,)), ((), ()))     # [S,K] x [K,N] -> [S,N]
+_COLUMNS_OUTER = (((0,), (0,)), ((), ()))         # [S,M] x [S,N] -> [M,N]
+
+
+def gelu_tanh(x):
+  """tanh-approximate GELU, as `jax.nn.gelu(x, approximate=True)`."""
+  return 0.5 * x * (1.0 + jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
+
+
+def gelu_tanh_grad(x):
+  """d gelu_tanh(x) / dx, written out as in the SOL-ExecBench contract.
+
+  Shared by the reference and every kernel (it is plain `jnp`, so it traces
+  inside Pallas too). Computed in the dtype of `x`; kernels pass fp32.
+  """
+  x2 = x * x
+  t = jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x2 * x))
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x2)
+
+
+def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):
+  """Returns `(output, fc1_output, gelu_output)` for `hidden_state` of shape `[S, H]`."""
+  mode = canonicalize(precision)
+  dtype = hidden_state.dtype
+  fc1_output = (xla_dot_general(hidden_state, fc1_weight, _ROWS_TIMES_WEIGHT_T, mode)
+                + fc1_bias.astype(jnp.float32)).astype(dtype)
+  gelu_output = gelu_tanh(fc1_output.astype(jnp.float32)).astype(dtype)
+  output = (xla_dot_general(gelu_output, fc2_weight, _ROWS_TIMES_WEIGHT_T, mode)
+            + fc2_bias.astype(jnp.float32)).astype(dtype)
+  return output, fc1_output, gelu_output
+
+
+def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                 fc1_output, gelu_output, *, precision=None):
+  """The five gradients of the SOL-ExecBench contract, in its order.
+
+  Returns `(grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
+  grad_fc2_bias)`, each in the dtype of the input it is the gradient of.
+  Accumulation is fp32; `precision` says how each product is computed.
+  """
+  # The biases are not read, only their dtypes.
+  mode: DotMode = canonicalize(precision)
+  grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
+  grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode)
+  grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode)
+  grad_fc1_output = grad_gelu * gelu_tanh_grad(fc1_output.astype(jnp.float32))
+  grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
+  grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode)
+  grad_hidden_state = xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode)
+  return (
+      grad_hidden_state.astype(hidden_state.dtype),
+      grad_fc1_weight.astype(fc1_weight.dtype),
+      grad_fc1_bias.astype(fc1_bias.dtype),
+      grad_fc2_weight.astype(fc2_weight.dtype),
+      grad_fc2_bias.astype(fc2_bias.dtype),
+  )
