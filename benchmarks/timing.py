@@ -1,20 +1,28 @@
 """Device time of one call, as SOL-ExecBench measures it: CUPTI, cold L2, medians.
 
-`device_times_us(fn, *args)` returns the per-call device time (the sum of the
-call's kernel durations, read with CUPTI through
-`jax.experimental.mosaic.gpu.profiler.measure`) for `iterations` calls, each
-preceded by a write of a buffer twice the L2 size, so every call starts cold.
+`device_times_us(fn, *args)` times a jitted `fn` over `iterations` calls after
+`warmup` untimed ones. Before every timed call a buffer twice the L2 size is
+rewritten (a separate, untimed program), then CUPTI records that one call's
+kernels; a sample is the sum of their durations (the kernels of one call run
+back to back on one stream, so this is first start to last end minus launch
+gaps). CUPTI is driven directly through the extension that
+`jax.experimental.mosaic.gpu.profiler.measure` uses, because `measure` runs an
+extra untimed call before each timed one, which would refill the L2 after the
+flush.
+
+`wall_times_us` is the CPU stand-in (host wall clock), for the CPU demo only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-H200_L2_BYTES = 60 * 1024 * 1024
+H200_L2_BYTES = 60 * 1024 * 1024   # 50 MiB on an H200, rounded up; used when the device does not say
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,16 +30,17 @@ class Timing:
   median_us: float
   p10_us: float
   p90_us: float
-  kernels: int  # kernels launched by one call
+  kernels: int                      # kernels launched by one call (0: not known, wall clock)
+  kernel_names: tuple[str, ...] = ()
 
   @classmethod
-  def from_samples(cls, samples_us, kernels):
+  def from_samples(cls, samples_us, kernels=0, kernel_names=()):
     s = np.asarray(samples_us, np.float64)
     return cls(float(np.median(s)), float(np.percentile(s, 10)), float(np.percentile(s, 90)),
-               kernels)
+               kernels, tuple(kernel_names))
 
 
-def _l2_bytes() -> int:
+def l2_bytes() -> int:
   device = jax.devices()[0]
   return int(getattr(device, "l2_cache_size", 0) or H200_L2_BYTES)
 
@@ -41,20 +50,49 @@ def _flush(buffer):
   return buffer + 1
 
 
-def device_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing:
-  """Times `fn(*args)` (a jitted function) with CUPTI, L2 flushed before every call."""
-  from jax.experimental.mosaic.gpu import profiler  # needs a GPU build of jaxlib
+def _cupti():
+  """(start, stop) of one CUPTI kernel trace; stop(finalize) returns [(name, ms), ...]."""
+  try:
+    from jax._src.lib import mosaic_gpu  # shipped with the CUDA plugin of jaxlib only
+  except ImportError:
+    mosaic_gpu = None
+  if mosaic_gpu is None:
+    raise RuntimeError("CUPTI timing needs a CUDA build of jaxlib (jax[cuda12] or jax[cuda13]).")
+  ext = mosaic_gpu._mosaic_gpu_ext
 
-  buffer = jnp.zeros((2 * _l2_bytes() // 4,), jnp.float32)
+  def timings(finalize):
+    try:
+      return ext._cupti_get_timings(finalize)
+    except TypeError:                # older jaxlib: no `finalize` argument
+      return ext._cupti_get_timings()
+  return ext._cupti_init, timings
+
+
+def device_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing:
+  """CUPTI device time of `fn(*args)` (a jitted function), L2 flushed before every call."""
+  cupti_start, cupti_stop = _cupti()
+  buffer = jnp.zeros((2 * l2_bytes() // 4,), jnp.float32)
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  measured = profiler.measure(fn, aggregate=False)
-  samples, kernels = [], 0
-  for _ in range(iterations):
+  samples, per_kernel = [], []
+  for i in range(iterations):
     buffer = jax.block_until_ready(_flush(buffer))
-    out, per_kernel = measured(*args)
-    jax.block_until_ready(out)
-    per_kernel = per_kernel or []
-    kernels = len(per_kernel)
+    cupti_start()
+    try:
+      jax.block_until_ready(fn(*args))
+    finally:
+      per_kernel = cupti_stop(i == iterations - 1) or []   # detach CUPTI after the last call
     samples.append(1e3 * sum(ms for _, ms in per_kernel))
-  return Timing.from_samples(samples, kernels)
+  return Timing.from_samples(samples, len(per_kernel), [name for name, _ in per_kernel])
+
+
+def wall_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing:
+  """Host wall-clock time of `fn(*args)` until its outputs are ready (CPU demo only)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(iterations):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(1e6 * (time.perf_counter() - start))
+  return Timing.from_samples(samples)

@@ -52,9 +52,11 @@ def _load(ref, rows, row_mask, cols, col_mask):
 
 
 def _matmul_kernel(*refs, m, n, k, tile: TileConfig, mode: DotMode, transpose_a: bool,
-                   fuse_gelu: bool, row_sums: bool):
+                   fuse_gelu: bool, row_sums: bool, donated_out: bool):
   a_ref, b_ref, *refs = refs
   x_ref = refs.pop(0) if fuse_gelu else None
+  if donated_out:
+    refs.pop(0)  # the aliased output buffer; written through out_ref
   out_ref, *refs = refs
   row_sum_ref = refs.pop(0) if row_sums else None
 
@@ -93,11 +95,14 @@ def _matmul_kernel(*refs, m, n, k, tile: TileConfig, mode: DotMode, transpose_a:
 
 
 def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_a=False,
-                 gelu_input=None, row_sums=False, interpret=False, name="tiled_matmul"):
+                 gelu_input=None, row_sums=False, out=None, interpret=False,
+                 name="tiled_matmul"):
   """`op(a) @ b` (fp32 accumulation), optionally fused as the module docstring says.
 
   Returns the product in `out_dtype`, and with `row_sums` also the fp32 sums of
-  `op(a)` over the contraction, shape `[M]`.
+  `op(a)` over the contraction, shape `[M]`. `out`, if given, is the buffer the
+  kernel writes the product into (`[split_k * M, N]`, aliased); tests pass a
+  NaN-filled one to prove that every element is written.
   """
   k, m = a.shape if transpose_a else a.shape[::-1]
   k_b, n = b.shape
@@ -110,16 +115,20 @@ def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_
     out_shapes.append(jax.ShapeDtypeStruct((split * m,), jnp.float32))
   kernel = functools.partial(
       _matmul_kernel, m=m, n=n, k=k, tile=tile, mode=mode, transpose_a=transpose_a,
-      fuse_gelu=gelu_input is not None, row_sums=row_sums)
+      fuse_gelu=gelu_input is not None, row_sums=row_sums, donated_out=out is not None)
+  inputs = [a, b] + ([gelu_input] if gelu_input is not None else [])
+  if out is not None:
+    assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
   _filter_triton_deprecation()
   outs = pl.pallas_call(
       kernel,
       out_shape=out_shapes,
       grid=(pl.cdiv(m, tile.block_m), pl.cdiv(n, tile.block_n), split),
       compiler_params=plgpu.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
+      input_output_aliases={len(inputs): 0} if out is not None else {},
       interpret=interpret,
       name=name,
-  )(a, b, *([gelu_input] if gelu_input is not None else []))
+  )(*inputs, *([out] if out is not None else []))
   product = outs[0]
   if split > 1:
     product = product.reshape(split, m, n).sum(axis=0).astype(out_dtype)

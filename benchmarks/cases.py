@@ -1,0 +1,57 @@
+"""SOL-ExecBench problem 022 as data: its 16 cases, the sizes we sweep, how inputs are drawn.
+
+Mirrors `sol_execbench_022.json` (the contract) so the benchmark and the tests
+need no file outside the repository.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+HIDDEN, INTERMEDIATE = 1280, 3584
+
+# (seq_len, atol) of the 16 benchmark cases.
+CASES = ((64, 0.021), (128, 0.025), (131, 0.025), (211, 0.031), (256, 0.034), (293, 0.036),
+         (449, 0.043), (512, 0.046), (768, 0.056), (773, 0.055), (997, 0.063), (1163, 0.066),
+         (1423, 0.077), (1973, 0.092), (2048, 0.086), (4096, 0.13))
+SEQ_LENS = tuple(s for s, _ in CASES)
+
+# (H, I) pairs of vision towers the sweep may cover; the first is the contract's.
+SIZES = ((1280, 3584), (768, 3072), (1024, 4096), (1152, 4304), (1280, 5120))
+
+# Without a GPU: tiny shapes, so Pallas interpret mode finishes in seconds.
+CPU_DEMO_SIZE = (64, 160)
+CPU_DEMO_SEQ_LENS = (7, 64)
+
+# Benchmark precision names -> what users pass as `precision=`.
+PRECISIONS = {
+    "default": None,                                   # TF32 on the GPU
+    "f16": lax.DotAlgorithmPreset.F16_F16_F32,
+    "highest": lax.Precision.HIGHEST,                  # fp32-class (bf16x3)
+    "bf16": lax.DotAlgorithmPreset.BF16_BF16_F32,
+}
+# Precisions that claim the SOL-ExecBench tolerance (bf16 does not).
+SOL_PRECISIONS = ("default", "f16", "highest")
+
+INPUT_NAMES = ("grad_output", "hidden_state", "fc1_weight", "fc1_bias", "fc2_weight",
+               "fc2_bias", "fc1_output", "gelu_output")
+
+
+def make_inputs(key, seq_len: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE):
+  """The eight float32 inputs of `mlp_backward`, drawn as the contract says.
+
+  Everything is N(0, 1) except the weights, scaled by 1/sqrt(fan_in)
+  (fc1: H, fc2: I). `gelu_output` is independent of `fc1_output`, as in the benchmark.
+  """
+  shapes = {"grad_output": (seq_len, hidden), "hidden_state": (seq_len, hidden),
+            "fc1_weight": (intermediate, hidden), "fc1_bias": (intermediate,),
+            "fc2_weight": (hidden, intermediate), "fc2_bias": (hidden,),
+            "fc1_output": (seq_len, intermediate), "gelu_output": (seq_len, intermediate)}
+  scale = {"fc1_weight": 1 / math.sqrt(hidden), "fc2_weight": 1 / math.sqrt(intermediate)}
+  keys = jax.random.split(key, len(INPUT_NAMES))
+  return tuple(jax.random.normal(k, shapes[name], jnp.float32) * scale.get(name, 1.0)
+               for k, name in zip(keys, INPUT_NAMES))

@@ -1,0 +1,184 @@
+"""Sweeps tile configurations of the three Triton launches, one launch at a time.
+
+    python -m benchmarks.tune --seq-lens 64 256 1024 --modes tf32 f16 --out DIR
+
+For each S, mode and role (pre_activation, weight_grads, input_grad) it
+compiles every candidate `TileConfig` in parallel, then times each with CUPTI
+on a cold L2 (benchmarks/timing.py) and prints the best. The winners feed the
+heuristics in `vision_mlp_bwd/backends/triton/config.py`; the log goes to
+`benchmarks/NOTES.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import itertools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.timing import device_times_us
+from vision_mlp_bwd.backends.triton.config import TileConfig, default_config
+from vision_mlp_bwd.backends.triton.kernels import tiled_matmul
+from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.problem import Problem
+
+ROLES = ("pre_activation", "weight_grads", "input_grad")
+
+
+def _pow2_at_least(x):
+  p = 16
+  while p < x:
+    p *= 2
+  return p
+
+
+def candidates(role, s, mode):
+  """Tiles worth timing for one launch; rows over S are capped at S rounded up."""
+  cap = _pow2_at_least(s)
+  steps = (64,) if mode.operand_dtype is not None else (32,)
+  out = []
+  if role == "weight_grads":
+    for bm, bn, bk in itertools.product((64, 128), (64, 128), (32, 64)):
+      out.append(TileConfig(bm, bn, bk, num_warps=8 if bm * bn >= 128 * 128 else 4))
+    return out
+  widths = (32, 64, 128) if role == "pre_activation" else (64, 128)
+  splits = (1,) if role == "pre_activation" else (1, 2, 4, 8) if s <= 256 else (1, 2)
+  for bm, bn, bk, split in itertools.product((16, 32, 64, 128), widths, steps, splits):
+    if bm <= cap:
+      out.append(TileConfig(bm, bn, bk, split_k=split,
+                            num_warps=8 if bm * bn >= 128 * 128 else 4))
+  return out
+
+
+_AXES = {
+    "block_m": (16, 32, 64, 128, 256),
+    "block_n": (16, 32, 64, 128, 256),
+    "block_k": (16, 32, 64, 128),
+    "split_k": (1, 2, 4, 8, 16),
+    "num_warps": (2, 4, 8),
+    "num_stages": (2, 3, 4, 5, 6),
+}
+
+
+def neighbours(role, tile, s):
+  """Tiles one step away from `tile` along one axis (coordinate search)."""
+  out = []
+  for axis, values in _AXES.items():
+    if axis == "split_k" and role == "pre_activation":
+      continue
+    if axis == "block_m" and role != "weight_grads":
+      values = tuple(v for v in values if v <= _pow2_at_least(s))
+    j = values.index(getattr(tile, axis)) if getattr(tile, axis) in values else None
+    if j is None:
+      continue
+    for k in (j - 1, j + 1):
+      if 0 <= k < len(values):
+        out.append(dataclasses.replace(tile, **{axis: values[k]}))
+  return out
+
+
+def launch(role, tile, mode, s, h, i):
+  """A jitted function running one launch of the backward, and its inputs."""
+  keys = jax.random.split(jax.random.key(s), 3)
+  pre_dtype = mode.operand_dtype or jnp.float32
+  if role == "pre_activation":
+    args = (jax.random.normal(keys[0], (s, h)), jax.random.normal(keys[1], (h, i)) / 60.0,
+            jax.random.normal(keys[2], (s, i)))
+    fn = lambda dy, w2, x: tiled_matmul(dy, w2, gelu_input=x, tile=tile, mode=mode,
+                                        out_dtype=pre_dtype)
+  elif role == "weight_grads":
+    args = (jax.random.normal(keys[0], (s, i)).astype(pre_dtype),
+            jax.random.normal(keys[1], (s, h)))
+    fn = lambda g, hs: tiled_matmul(g, hs, transpose_a=True, row_sums=True, tile=tile,
+                                    mode=mode, out_dtype=jnp.float32)
+  else:
+    args = (jax.random.normal(keys[0], (s, i)).astype(pre_dtype),
+            jax.random.normal(keys[1], (i, h)) / 36.0)
+    fn = lambda g, w1: tiled_matmul(g, w1, tile=tile, mode=mode, out_dtype=jnp.float32)
+  return jax.jit(fn), args
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256, 768])
+  parser.add_argument("--modes", nargs="+", default=["tf32", "f16"])
+  parser.add_argument("--roles", nargs="+", default=list(ROLES))
+  parser.add_argument("--hidden", type=int, default=1280)
+  parser.add_argument("--intermediate", type=int, default=3584)
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--start", type=_best_of, default=None,
+                      help="tune.json of an earlier sweep: search around its winners")
+  parser.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds")
+  args = parser.parse_args()
+
+  h, i = args.hidden, args.intermediate
+  results = []
+  for s, mode_name, role in itertools.product(args.seq_lens, args.modes, args.roles):
+    mode = DotMode(mode_name)
+    default = getattr(default_config(Problem(s, h, i, jnp.dtype(jnp.float32), mode)), role)
+    if args.start:
+      start = [TileConfig(**r["tile"]) for r in args.start
+               if (r["seq_len"], r["mode"], r["role"]) == (s, mode_name, role)]
+      timed = {}
+      frontier = [default] + start[:1]
+      for _ in range(args.rounds):
+        frontier = [t for t in dict.fromkeys(frontier) if t not in timed]
+        timed.update(_time_all(frontier, role, mode, s, h, i, args.iterations))
+        ok = [t for t in timed if timed[t][0] is not None]
+        if not ok:
+          break
+        frontier = neighbours(role, min(ok, key=lambda t: timed[t][0]), s)
+    else:
+      tiles = list(dict.fromkeys([default, *candidates(role, s, mode)]))
+      timed = _time_all(tiles, role, mode, s, h, i, args.iterations)
+    rows = [(tile, us, err) for tile, (us, err) in timed.items()]
+    ok = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1])
+    default_us = timed.get(default, (None, None))[0]
+    best = ok[0] if ok else (None, None, None)
+    print(f"S={s:5d} {mode_name:5s} {role:15s} default {default_us or float('nan'):8.1f} us "
+          f"best {best[1] or float('nan'):8.1f} us {best[0]}", flush=True)
+    for tile, us, err in rows:
+      results.append(dict(seq_len=s, mode=mode_name, role=role, tile=tile.__dict__, us=us,
+                          error=err, default=tile == default))
+  with open(os.path.join(args.out, "tune.json"), "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, results=results),
+              f, indent=1)
+
+
+def _time_all(tiles, role, mode, s, h, i, iterations):
+  """{tile: (median us or None, error or None)}, compiling in parallel, timing in turn."""
+  jobs = [launch(role, t, mode, s, h, i) for t in tiles]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    compiled = list(pool.map(lambda job: _compile(*job), jobs))
+  out = {}
+  for tile, (fn, call_args) in zip(tiles, compiled):
+    if fn is None:
+      out[tile] = (None, call_args)
+    else:
+      out[tile] = (device_times_us(fn, *call_args, warmup=3, iterations=iterations).median_us, None)
+  return out
+
+
+def _best_of(path):
+  """The fastest tile per (S, mode, role) of an earlier tune.json."""
+  with open(path) as f:
+    results = [r for r in json.load(f)["results"] if r["us"] is not None]
+  results.sort(key=lambda r: r["us"])
+  return results
+
+
+def _compile(fn, args):
+  try:
+    return fn.lower(*args).compile(), args
+  except Exception as e:  # a tile Triton rejects (e.g. out of shared memory)
+    return None, f"{type(e).__name__}: {str(e)[:200]}"
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,77 @@
+"""Inputs and float64 oracles shared by the test modules."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from vision_mlp_bwd.reference import gelu_tanh, gelu_tanh_grad
+
+ARG_NAMES = ("grad_output", "hidden_state", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
+             "fc1_output", "gelu_output")
+OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
+             "grad_fc2_bias")
+
+_seeds = itertools.count(1234)
+
+
+def fresh_key():
+  """A new PRNG key per call, so every check sees different inputs."""
+  return jax.random.key(next(_seeds))
+
+
+def backward_inputs(tokens, hidden, intermediate, dtype=jnp.float32, key=None, batch=None):
+  """Random inputs drawn as SOL-ExecBench draws them (N(0,1), weights / sqrt(fan_in))."""
+  key = fresh_key() if key is None else key
+  lead = tuple(batch) if batch is not None else (tokens,)
+  k = jax.random.split(key, 8)
+  normal = lambda i, shape, scale=1.0: (jax.random.normal(k[i], shape) * scale).astype(dtype)
+  return (
+      normal(0, lead + (hidden,)),
+      normal(1, lead + (hidden,)),
+      normal(2, (intermediate, hidden), hidden ** -0.5),
+      normal(3, (intermediate,)),
+      normal(4, (hidden, intermediate), intermediate ** -0.5),
+      normal(5, (hidden,)),
+      normal(6, lead + (intermediate,)),
+      normal(7, lead + (intermediate,)),
+  )
+
+
+def backward_float64(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                     fc1_output, gelu_output):
+  """The contract's five formulas in NumPy float64: the oracle every mode is held to."""
+  f = lambda x: np.asarray(x, np.float64)
+  dy, hs, w1, w2, x, a = map(f, (grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                                gelu_output))
+  dy, hs, x, a = (t.reshape(-1, t.shape[-1]) for t in (dy, hs, x, a))
+  grad_pre = (dy @ w2) * np.asarray(gelu_tanh_grad(x))
+  return ((grad_pre @ w1).reshape(np.shape(hidden_state)), grad_pre.T @ hs, grad_pre.sum(0),
+          dy.T @ a, dy.sum(0))
+
+
+def forward_float64(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+  f = lambda x: np.asarray(x, np.float64)
+  x = f(hidden_state) @ f(fc1_weight).T + f(fc1_bias)
+  return np.asarray(gelu_tanh(x)) @ f(fc2_weight).T + f(fc2_bias)
+
+
+def relative_error(out, ref):
+  """‖out − ref‖ / ‖ref‖ (Frobenius), in float64."""
+  out = np.asarray(out, np.float64)
+  ref = np.asarray(ref, np.float64)
+  return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def assert_close_to_oracle(outs, oracle, tolerance, label=""):
+  """Every output finite, shaped like the oracle, and within `tolerance` relative error."""
+  assert len(outs) == len(oracle) == 5
+  for name, out, ref in zip(OUT_NAMES, outs, oracle):
+    out = np.asarray(jnp.asarray(out, jnp.float32))
+    assert out.shape == np.shape(ref), (label, name, out.shape, np.shape(ref))
+    assert np.all(np.isfinite(out)), f"{label} {name}: non-finite values (unwritten or NaN)"
+    err = relative_error(out, ref)
+    assert err <= tolerance, f"{label} {name}: relative error {err:.2e} > {tolerance:.1e}"

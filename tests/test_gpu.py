@@ -1,0 +1,84 @@
+"""The Triton kernels on a real GPU (skipped without one).
+
+The 16 seed cases under the SOL-ExecBench rule are in test_gpu_acceptance.py;
+this module holds the rest: HIGHEST against float64, the other model sizes,
+bitwise determinism and poisoned outputs at full size. Tolerances: TF32
+(DEFAULT) has a 10-bit significand, ~3e-4 relative error observed for XLA too,
+so 1e-3; HIGHEST (bf16x3) 1e-5 by contract; F16 operands 2e-3.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vision_mlp_bwd
+from vision_mlp_bwd.backends.triton import default_config, kernels
+from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.problem import Problem
+from tests import helpers
+
+pytestmark = pytest.mark.gpu
+F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
+MODEL_SIZES = [(1280, 3584), (768, 3072), (1024, 4096), (1152, 4304), (1280, 5120)]
+
+
+@pytest.mark.parametrize("tokens", [64, 211, 1163])
+def test_highest_within_1e5_of_float64(tokens):
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, precision="highest", implementation="triton")
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-5, f"S={tokens}")
+
+
+@pytest.mark.parametrize("hidden,intermediate", MODEL_SIZES)
+@pytest.mark.parametrize("precision,tolerance", [(None, 1e-3), (F16, 2e-3)], ids=["tf32", "f16"])
+def test_model_sizes(hidden, intermediate, precision, tolerance):
+  inputs = helpers.backward_inputs(197, hidden, intermediate)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, precision=precision, implementation="triton")
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), tolerance,
+                                 f"{hidden}x{intermediate}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16bit_inputs(dtype):
+  inputs = helpers.backward_inputs(300, 1280, 3584, dtype=dtype)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  assert all(o.dtype == dtype for o in outs)
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-2)
+
+
+@pytest.mark.parametrize("precision", [None, F16, "highest"], ids=["tf32", "f16", "highest"])
+def test_bitwise_deterministic(precision):
+  inputs = helpers.backward_inputs(773, 1280, 3584)
+  run = jax.jit(lambda *a: vision_mlp_bwd.mlp_backward(*a, precision=precision,
+                                                       implementation="triton"))
+  first = jax.device_get(run(*inputs))
+  for _ in range(3):
+    for a, b in zip(first, jax.device_get(run(*inputs))):
+      np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 64, 131, 997])
+@pytest.mark.parametrize("role", ["pre_activation", "weight_grads", "input_grad"])
+def test_every_output_element_written(tokens, role):
+  h, i = 1280, 3584
+  mode = DotMode.TF32
+  tile = getattr(default_config(Problem(tokens, h, i, jnp.dtype(jnp.float32), mode)), role)
+  key = helpers.fresh_key()
+  normal = lambda n, shape: jax.random.normal(jax.random.fold_in(key, n), shape)
+  if role == "pre_activation":
+    a, b, m, n, extra = normal(0, (tokens, h)), normal(1, (h, i)), tokens, i, {
+        "gelu_input": normal(2, (tokens, i))}
+  elif role == "weight_grads":
+    a, b, m, n, extra = normal(0, (tokens, i)), normal(1, (tokens, h)), i, h, {
+        "transpose_a": True, "row_sums": True}
+  else:
+    a, b, m, n, extra = normal(0, (tokens, i)), normal(1, (i, h)), tokens, h, {}
+  dtype = jnp.float32
+  poisoned = jnp.full((tile.split_k * m, n), jnp.nan, dtype)
+  out = kernels.tiled_matmul(a, b, tile=tile, mode=mode, out_dtype=dtype, out=poisoned, **extra)
+  product = out[0] if isinstance(out, tuple) else out
+  assert product.shape == (m, n)
+  assert bool(jnp.all(jnp.isfinite(product))), f"{role}: unwritten elements at S={tokens}"

@@ -1,0 +1,119 @@
+"""The Triton kernels, run in Pallas interpret mode on the CPU, against float64.
+
+Interpret mode fills every output with NaN before the kernel runs and reads
+NaN out of bounds, so a missing store or a missing mask shows up as a
+non-finite value. Tolerances per mode: fp32-class modes compute in true fp32
+on the CPU (interpret mode has no TF32), so 1e-5; bf16x3 1e-5 (its contract);
+f16 operands 2e-3 (11-bit significand, ~5e-4 observed); bf16 operands 1e-2.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import vision_mlp_bwd
+from vision_mlp_bwd.backends.triton import kernels
+from vision_mlp_bwd.backends.triton.config import TileConfig
+from vision_mlp_bwd.precision import DotMode
+from tests import helpers
+
+F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
+BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+TOLERANCE = {None: 1e-5, "highest": 1e-5, F16: 2e-3, BF16: 1e-2}
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 131, 300])
+@pytest.mark.parametrize("precision", [None, "highest", F16, BF16], ids=str)
+def test_backward_matches_float64(tokens, precision):
+  hidden, intermediate = 40, 72  # not multiples of the 16/32 tiles
+  inputs = helpers.backward_inputs(tokens, hidden, intermediate)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, precision=precision, implementation="triton")
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), TOLERANCE[precision],
+                                 f"S={tokens}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16bit_inputs_give_16bit_outputs(dtype):
+  inputs = helpers.backward_inputs(50, 24, 56, dtype=dtype)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  assert all(o.dtype == dtype for o in outs)
+  # Inputs are exact in fp32; the only extra error is rounding the outputs to 16 bits.
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-2)
+
+
+def test_triton_agrees_with_xla_backend():
+  inputs = helpers.backward_inputs(33, 48, 80)
+  f32 = jax.lax.DotAlgorithmPreset.F32_F32_F32
+  ours = vision_mlp_bwd.mlp_backward(*inputs, precision=f32, implementation="triton")
+  xla = vision_mlp_bwd.mlp_backward(*inputs, precision=f32, implementation="xla")
+  for a, b in zip(ours, xla):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_leading_batch_dimensions():
+  inputs = helpers.backward_inputs(None, 32, 48, batch=(3, 5))
+  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  assert outs[0].shape == (3, 5, 32)
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-5)
+
+
+def test_zero_tokens_returns_zeros_without_kernels():
+  inputs = helpers.backward_inputs(0, 16, 32)
+  jaxpr = jax.make_jaxpr(
+      lambda *a: vision_mlp_bwd.mlp_backward(*a, implementation="triton"))(*inputs)
+  assert "pallas_call" not in str(jaxpr)
+  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  assert outs[0].shape == (0, 16)
+  for out in outs[1:]:
+    assert not np.any(np.asarray(out))
+
+
+def test_nan_and_inf_propagate_like_the_reference():
+  inputs = list(helpers.backward_inputs(20, 32, 48))
+  grad_output = np.array(inputs[0])
+  grad_output[3, 5] = np.nan
+  fc1_output = np.array(inputs[6])
+  fc1_output[7, 2] = np.inf
+  inputs[0], inputs[6] = jnp.asarray(grad_output), jnp.asarray(fc1_output)
+  ours = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  ref = vision_mlp_bwd.reference.mlp_backward(*inputs, precision="highest")
+  for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+    assert np.any(np.isnan(a)), name
+
+
+def test_results_are_bitwise_deterministic():
+  inputs = helpers.backward_inputs(45, 32, 48)
+  run = jax.jit(lambda *a: vision_mlp_bwd.mlp_backward(*a, implementation="triton"))
+  first, second = run(*inputs), run(*inputs)
+  for a, b in zip(first, second):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k):
+  m, n, k = 37, 45, 70
+  key = helpers.fresh_key()
+  a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
+  b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
+  poisoned = jnp.full((split_k * m, n), jnp.nan, jnp.float32)
+  tile = TileConfig(16, 32, 16, split_k=split_k)
+  product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
+                                       transpose_a=transpose_a, row_sums=True, out=poisoned,
+                                       interpret=True)
+  op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
+  np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_gelu_epilogue_matches_autodiff_of_gelu():
+  x = jax.random.normal(helpers.fresh_key(), (20, 36)) * 3
+  ones = jnp.eye(20)
+  product = kernels.tiled_matmul(ones, jnp.ones((20, 36)), gelu_input=x, tile=TileConfig(16, 16, 16),
+                                 mode=DotMode.F32, out_dtype=jnp.float32, interpret=True)
+  expected = jax.vmap(jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True))))(x)
+  np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-5)
