@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import os
@@ -103,6 +104,32 @@ def launch(role, tile, mode, s, h, i):
   return jax.jit(fn), args
 
 
+def compare_launch_grouping(seq_lens, modes, h, i, iterations):
+  """Whole backward: grouped (2 launches) vs separate (4 launches) vs XLA, same precision."""
+  from benchmarks.cases import make_inputs
+  from vision_mlp_bwd.backends import triton as triton_backend
+  from vision_mlp_bwd import reference
+  rows = []
+  for s, mode_name in itertools.product(seq_lens, modes):
+    mode = DotMode(mode_name)
+    problem = Problem(s, h, i, jnp.dtype(jnp.float32), mode)
+    grouped = default_config(problem)
+    inputs = make_inputs(jax.random.key(s), s, h, i)
+    variants = {
+        "grouped": functools.partial(triton_backend.backward, problem=problem, config=grouped),
+        "separate": functools.partial(triton_backend.backward, problem=problem,
+                                      config=dataclasses.replace(grouped, group_launches=False)),
+        "xla": functools.partial(reference.mlp_backward, precision=mode),
+    }
+    times = {name: device_times_us(jax.jit(fn), *inputs, iterations=iterations)
+             for name, fn in variants.items()}
+    print(f"S={s:5d} {mode_name:5s} " + " ".join(
+        f"{name} {t.median_us:7.1f} us ({t.kernels} kernels)" for name, t in times.items()),
+        flush=True)
+    rows.append(dict(seq_len=s, mode=mode_name, **{n: t.median_us for n, t in times.items()}))
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256, 768])
@@ -115,9 +142,16 @@ def main():
   parser.add_argument("--start", type=_best_of, default=None,
                       help="tune.json of an earlier sweep: search around its winners")
   parser.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds")
+  parser.add_argument("--grouping", action="store_true",
+                      help="time the whole backward grouped vs separate launches vs XLA instead")
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
+  if args.grouping:
+    rows = compare_launch_grouping(args.seq_lens, args.modes, h, i, args.iterations)
+    with open(os.path.join(args.out, "grouping.json"), "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f)
+    return
   results = []
   for s, mode_name, role in itertools.product(args.seq_lens, args.modes, args.roles):
     mode = DotMode(mode_name)

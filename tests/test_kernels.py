@@ -9,6 +9,8 @@ f16 operands 2e-3 (11-bit significand, ~5e-4 observed); bf16 operands 1e-2.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +119,18 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
                                  mode=DotMode.F32, out_dtype=jnp.float32, interpret=True)
   expected = jax.vmap(jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True))))(x)
   np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_and_separate_launches_agree_bitwise():
+  from vision_mlp_bwd.backends import triton as triton_backend
+  from vision_mlp_bwd.problem import Problem
+  inputs = helpers.backward_inputs(29, 40, 56)
+  problem = Problem(29, 40, 56, jnp.dtype(jnp.float32), DotMode.F32)
+  config = triton_backend.interpret_config(problem)
+  grouped = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
+  separate = triton_backend.backward(
+      *inputs, problem=problem, config=dataclasses.replace(config, group_launches=False),
+      interpret=True)
+  for a, b in zip(grouped, separate):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  helpers.assert_close_to_oracle(grouped, helpers.backward_float64(*inputs), 1e-5)

@@ -1,8 +1,8 @@
 """Tile configurations for the Triton kernels, and the heuristics that pick them.
 
-The backward runs one kernel, `tiled_matmul`, in three roles. Each role gets a
-`TileConfig`; a `Config` holds the three. `default_config(problem)` picks them
-from the shape, following the measurements in `benchmarks/NOTES.md`.
+The backward runs four tiled products (`kernels.Product`) in three roles. Each
+role gets a `TileConfig`; a `Config` holds the three. `default_config(problem)`
+picks them per S from tables measured on the H200 (`benchmarks/NOTES.md`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,9 @@ import dataclasses
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
-NUM_SMS_H200 = 132
-
-
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-  """One launch of `tiled_matmul`: output tile, contraction step, split, Triton knobs."""
+  """One tiled product: output tile, contraction step, split, Triton knobs."""
 
   block_m: int
   block_n: int
@@ -46,49 +43,53 @@ class Config:
   weight_grads: TileConfig
   # grad_hidden_state = grad_fc1_output @ fc1_weight: M=S, N=H, K=I.
   input_grad: TileConfig
+  # Two launches of two products each (True) or four launches.
+  group_launches: bool = True
 
 
-def _cdiv(a, b):
-  return -(-a // b)
+T = TileConfig
+
+# Tiles per S bucket, from the H200 sweeps of benchmarks/tune.py (H=1280,
+# I=3584; benchmarks/results/tune*_h200.json, logged in benchmarks/NOTES.md).
+# Rows: (largest S, pre_activation, weight_grads, input_grad).
+_SIXTEEN_BIT_TABLE = (
+    (64, T(64, 32, 64), T(64, 128, 64), T(64, 128, 64, split_k=8)),
+    (128, T(32, 128, 64), T(64, 128, 32), T(32, 64, 64, split_k=4)),
+    (256, T(128, 32, 64), T(128, 64, 64), T(128, 64, 64, split_k=4)),
+    (1024, T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2)),
+    (None, T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
+     T(128, 128, 64, num_warps=8)),
+)
+_THIRTY_TWO_BIT_TABLE = (
+    (64, T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8)),
+    (128, T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4)),
+    (256, T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8)),
+    # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
+    # with these, so they serve every larger S too.
+    (None, T(32, 128, 32), T(128, 64, 64), T(32, 128, 32)),
+)
+
+# bf16x3 (HIGHEST) runs three bf16 products per tile: at S > 256 it is
+# compute-bound and 128x128 tiles halved its time per token (1.15 -> 0.55 us
+# per token between S=997 and S=1163 in h200_20261129-153212).
+_THREE_PASS_TABLE = _THIRTY_TWO_BIT_TABLE[:3] + (
+    (None, T(128, 128, 32, num_warps=8), T(128, 128, 32, num_warps=8),
+     T(128, 128, 32, num_warps=8)),
+)
 
 
-def _block_for_tokens(tokens: int) -> int:
-  """Row tile over S: small S keeps tiles small so more programs run."""
-  if tokens <= 32:
-    return 16
-  if tokens <= 128:
-    return 32
-  if tokens <= 512:
-    return 64
-  return 128
-
-
-def _split_for_occupancy(programs: int, steps: int, target: int) -> int:
-  """Splits the contraction until about `target` programs run, keeping >= 4 steps each."""
-  split = 1
-  while programs * split * 2 <= target and steps // (split * 2) >= 4:
-    split *= 2
-  return split
-
-
-def default_config(problem: Problem, num_sms: int = NUM_SMS_H200) -> Config:
-  """Heuristic tiles for `problem`; see benchmarks/NOTES.md for what they rest on."""
-  s, h, i = problem.tokens, problem.hidden, problem.intermediate
-  sixteen_bit = problem.mode.operand_dtype is not None or problem.dtype.itemsize == 2
-  block_k = 64 if sixteen_bit else 32
-  bm = _block_for_tokens(s)
-  wide = 128 if s > 512 else 64
-  warps = 8 if bm * wide >= 128 * 128 else 4
-
-  pre_activation = TileConfig(bm, wide, block_k, num_warps=warps)
-
-  input_programs = _cdiv(s, bm) * _cdiv(h, wide)
-  split = _split_for_occupancy(input_programs, _cdiv(i, block_k), 2 * num_sms)
-  input_grad = TileConfig(bm, wide, block_k, split_k=split, num_warps=warps)
-
-  wb = 128 if s > 512 else 64
-  weight_grads = TileConfig(wb, wb, 32, num_warps=8 if wb == 128 else 4)
-  return Config(pre_activation, weight_grads, input_grad)
+def default_config(problem: Problem) -> Config:
+  """Tiles for `problem` from the measured tables above."""
+  if problem.mode.operand_dtype is not None or problem.dtype.itemsize == 2:
+    table = _SIXTEEN_BIT_TABLE
+  elif problem.mode in (DotMode.HIGHEST, DotMode.BF16X3):
+    table = _THREE_PASS_TABLE
+  else:
+    table = _THIRTY_TWO_BIT_TABLE
+  for largest, pre_activation, weight_grads, input_grad in table:
+    if largest is None or problem.tokens <= largest:
+      return Config(pre_activation, weight_grads, input_grad)
+  raise AssertionError("unreachable: the last row takes every S")
 
 
 def interpret_config(problem: Problem) -> Config:
@@ -98,7 +99,19 @@ def interpret_config(problem: Problem) -> Config:
   return Config(tile, tile, TileConfig(16, 32, 16, split_k=2))
 
 
-# Where the automatic choice takes the Triton kernels over XLA, per DotMode: the
-# largest S at which they measured faster on the H200 (benchmarks/results/).
-# Modes not listed go to XLA.
-TRITON_WINS_UP_TO_TOKENS: dict[DotMode, int] = {}
+# Where the automatic choice takes the Triton kernels over XLA: per DotMode, the
+# S ranges (inclusive; None = no upper end) where they measured faster than XLA
+# at the same precision on the H200 (benchmarks/results/h200_*.md, NOTES.md).
+# Elsewhere, and for modes not listed, XLA runs.
+TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
+    DotMode.TF32: ((1, 64),),
+    DotMode.F16: ((1, 64),),
+    DotMode.BF16: ((1, 64),),
+    DotMode.HIGHEST: ((1, 64), (257, None)),
+}
+
+
+def triton_wins(problem: Problem) -> bool:
+  """Whether the Triton kernels measured faster than XLA for this S and mode."""
+  return any(lo <= problem.tokens and (hi is None or problem.tokens <= hi)
+             for lo, hi in TRITON_WINS.get(problem.mode, ()))

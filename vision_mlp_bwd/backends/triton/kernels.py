@@ -1,14 +1,19 @@
-"""The one Pallas-Triton kernel of the backward: a masked, tiled matmul.
+"""The Pallas-Triton kernel of the backward: masked, tiled matmuls, grouped per launch.
 
-`tiled_matmul` computes `C = op(A) @ B` where `op(A)` is `A` (`[M, K]`) or
-`A.T` (`A` stored `[K, M]`), with two optional fusions:
+A `Product` is one `C = op(A) @ B`, where `op(A)` is `A` (`[M, K]`) or `A.T`
+(`A` stored `[K, M]`), with two optional fusions:
 
-* `gelu_input`: the epilogue multiplies the tile by `gelu_tanh_grad` of the
-  matching tile of `gelu_input` (`[M, N]`), so the pre-GELU gradient is
+* `fuse_gelu`: the epilogue multiplies the tile by `gelu_tanh_grad` of the
+  matching tile of a third input `[M, N]`, so the pre-GELU gradient is
   produced in one pass;
 * `row_sums`: the programs of the first column of tiles also sum `op(A)` over
   K, which is a bias gradient when `A` is `grad_output` or the pre-GELU
   gradient, read here anyway.
+
+`grouped_matmul` runs several independent products in one launch: the 1-D
+grid is the concatenation of their programs, each program runs the body of
+the product it belongs to. At small S every product alone fills the GPU
+poorly; grouped, their programs overlap.
 
 Every load and store is masked, so any M, N, K runs without reading or writing
 out of bounds. Reductions never use atomics: a split contraction writes one
@@ -17,6 +22,7 @@ partial result per split, summed afterwards in a fixed order.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
@@ -39,6 +45,43 @@ def _filter_triton_deprecation():
   warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
 
 
+@dataclasses.dataclass(frozen=True)
+class Product:
+  """One tiled product of a launch; shapes are static, arrays come separately."""
+
+  m: int
+  n: int
+  k: int
+  tile: TileConfig
+  out_dtype: jnp.dtype
+  transpose_a: bool = False
+  fuse_gelu: bool = False
+  row_sums: bool = False
+
+  @property
+  def grid(self):
+    """(m blocks, n blocks, splits); m varies fastest so neighbours share B's tiles."""
+    t = self.tile
+    return pl.cdiv(self.m, t.block_m), pl.cdiv(self.n, t.block_n), t.split_k
+
+  @property
+  def programs(self) -> int:
+    gm, gn, gk = self.grid
+    return gm * gn * gk
+
+  @property
+  def num_inputs(self) -> int:
+    return 3 if self.fuse_gelu else 2
+
+  def out_shapes(self):
+    split = self.tile.split_k
+    dtype = jnp.float32 if split > 1 else self.out_dtype
+    shapes = [jax.ShapeDtypeStruct((split * self.m, self.n), dtype)]
+    if self.row_sums:
+      shapes.append(jax.ShapeDtypeStruct((split * self.m,), jnp.float32))
+    return shapes
+
+
 def _span(block_index, block_size, extent):
   """Indices of one tile along an axis and the mask of those inside `extent`."""
   indices = block_index * block_size + jnp.arange(block_size)
@@ -51,87 +94,117 @@ def _load(ref, rows, row_mask, cols, col_mask):
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
-def _matmul_kernel(*refs, m, n, k, tile: TileConfig, mode: DotMode, transpose_a: bool,
-                   fuse_gelu: bool, row_sums: bool, donated_out: bool):
-  a_ref, b_ref, *refs = refs
-  x_ref = refs.pop(0) if fuse_gelu else None
-  if donated_out:
-    refs.pop(0)  # the aliased output buffer; written through out_ref
-  out_ref, *refs = refs
-  row_sum_ref = refs.pop(0) if row_sums else None
-
-  pid_m, pid_n, pid_k = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  rows, row_mask = _span(pid_m, tile.block_m, m)
-  cols, col_mask = _span(pid_n, tile.block_n, n)
-  steps = pl.cdiv(pl.cdiv(k, tile.block_k), tile.split_k)
+def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode):
+  """The work of program number `program` of product `p`."""
+  a_ref, b_ref, *x_ref = in_refs
+  out_ref, *row_sum_ref = out_refs
+  gm, gn, _ = p.grid
+  pid_m, pid_n, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
+  t = p.tile
+  rows, row_mask = _span(pid_m, t.block_m, p.m)
+  cols, col_mask = _span(pid_n, t.block_n, p.n)
+  steps = pl.cdiv(pl.cdiv(p.k, t.block_k), t.split_k)
 
   def step(s, carry):
     acc, sums = carry
-    ks, k_mask = _span(pid_k * steps + s, tile.block_k, k)
-    if transpose_a:
+    ks, k_mask = _span(pid_k * steps + s, t.block_k, p.k)
+    if p.transpose_a:
       a = _load(a_ref, ks, k_mask, rows, row_mask)      # [bk, bm]
     else:
       a = _load(a_ref, rows, row_mask, ks, k_mask)      # [bm, bk]
     b = _load(b_ref, ks, k_mask, cols, col_mask)        # [bk, bn]
-    acc += kernel_dot(a, b, mode, contract_a=0 if transpose_a else 1)
-    if row_sums:
-      sums += jnp.sum(a.astype(jnp.float32), axis=0 if transpose_a else 1)
+    acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1)
+    if p.row_sums:
+      sums += jnp.sum(a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
     return acc, sums
 
-  init = (jnp.zeros((tile.block_m, tile.block_n), jnp.float32),
-          jnp.zeros((tile.block_m,), jnp.float32))
+  init = (jnp.zeros((t.block_m, t.block_n), jnp.float32), jnp.zeros((t.block_m,), jnp.float32))
   acc, sums = lax.fori_loop(0, steps, step, init)
 
-  if fuse_gelu:
-    x = _load(x_ref, rows, row_mask, cols, col_mask)
+  if p.fuse_gelu:
+    x = _load(x_ref[0], rows, row_mask, cols, col_mask)
     acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
-  out_rows = pid_k * m + rows
+  out_rows = pid_k * p.m + rows
   plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
               mask=row_mask[:, None] & col_mask[None, :])
-  if row_sums:
+  if p.row_sums:
     @pl.when(pid_n == 0)
     def _():
-      plgpu.store(row_sum_ref.at[out_rows], sums, mask=row_mask)
+      plgpu.store(row_sum_ref[0].at[out_rows], sums, mask=row_mask)
+
+
+def _grouped_kernel(*refs, products, mode, aliased):
+  n_in = sum(p.num_inputs for p in products)
+  in_refs, out_refs = refs[:n_in], refs[n_in + aliased:]
+  pid = pl.program_id(0)
+  first = 0
+  for p in products:
+    ins, in_refs = in_refs[:p.num_inputs], in_refs[p.num_inputs:]
+    n_out = 1 + p.row_sums
+    outs, out_refs = out_refs[:n_out], out_refs[n_out:]
+    if len(products) == 1:
+      _product_program(p, pid, ins, outs, mode)
+    else:
+      @pl.when((pid >= first) & (pid < first + p.programs))
+      def _(p=p, ins=ins, outs=outs, first=first):
+        _product_program(p, pid - first, ins, outs, mode)
+    first += p.programs
+
+
+def grouped_matmul(products, operands, *, mode: DotMode, interpret=False, out=None,
+                   name="grouped_matmul"):
+  """Runs `products` (with `operands[i]` = (a, b[, x]) for each) in one launch.
+
+  Returns, per product, the product `[M, N]` in its `out_dtype` (split
+  contractions summed in fp32 first), or `(product, row_sums [M])` where it
+  asks for row sums. `out`, if given, is the buffer the first product is
+  written into (`[split_k * M, N]`, aliased); tests pass a NaN-filled one to
+  prove that every element is written. Warps and pipeline depth are the first
+  product's.
+  """
+  for p, ops in zip(products, operands, strict=True):
+    a, b = ops[0], ops[1]
+    assert a.shape == ((p.k, p.m) if p.transpose_a else (p.m, p.k)), (p, a.shape)
+    assert b.shape == (p.k, p.n) and len(ops) == p.num_inputs, (p, b.shape)
+    assert not (p.fuse_gelu and p.tile.split_k > 1), p
+  out_shapes = [s for p in products for s in p.out_shapes()]
+  inputs = [x for ops in operands for x in ops]
+  if out is not None:
+    assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
+  _filter_triton_deprecation()
+  lead = products[0].tile
+  outs = pl.pallas_call(
+      functools.partial(_grouped_kernel, products=tuple(products), mode=mode,
+                        aliased=out is not None),
+      out_shape=out_shapes,
+      grid=(sum(p.programs for p in products),),
+      compiler_params=plgpu.CompilerParams(num_warps=lead.num_warps, num_stages=lead.num_stages),
+      input_output_aliases={len(inputs): 0} if out is not None else {},
+      interpret=interpret,
+      name=name,
+  )(*inputs, *([out] if out is not None else []))
+  results = []
+  for p in products:
+    product, outs = outs[0], outs[1:]
+    split = p.tile.split_k
+    if split > 1:
+      product = product.reshape(split, p.m, p.n).sum(axis=0).astype(p.out_dtype)
+    if p.row_sums:
+      results.append((product, outs[0].reshape(split, p.m).sum(axis=0)))
+      outs = outs[1:]
+    else:
+      results.append(product)
+  return results
 
 
 def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_a=False,
                  gelu_input=None, row_sums=False, out=None, interpret=False,
                  name="tiled_matmul"):
-  """`op(a) @ b` (fp32 accumulation), optionally fused as the module docstring says.
-
-  Returns the product in `out_dtype`, and with `row_sums` also the fp32 sums of
-  `op(a)` over the contraction, shape `[M]`. `out`, if given, is the buffer the
-  kernel writes the product into (`[split_k * M, N]`, aliased); tests pass a
-  NaN-filled one to prove that every element is written.
-  """
+  """One product in its own launch; see `Product` and `grouped_matmul`."""
   k, m = a.shape if transpose_a else a.shape[::-1]
-  k_b, n = b.shape
-  assert k == k_b, (a.shape, b.shape, transpose_a)
-  if gelu_input is not None:
-    assert gelu_input.shape == (m, n) and tile.split_k == 1, (gelu_input.shape, tile)
-  split = tile.split_k
-  out_shapes = [jax.ShapeDtypeStruct((split * m, n), jnp.float32 if split > 1 else out_dtype)]
-  if row_sums:
-    out_shapes.append(jax.ShapeDtypeStruct((split * m,), jnp.float32))
-  kernel = functools.partial(
-      _matmul_kernel, m=m, n=n, k=k, tile=tile, mode=mode, transpose_a=transpose_a,
-      fuse_gelu=gelu_input is not None, row_sums=row_sums, donated_out=out is not None)
-  inputs = [a, b] + ([gelu_input] if gelu_input is not None else [])
-  if out is not None:
-    assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
-  _filter_triton_deprecation()
-  outs = pl.pallas_call(
-      kernel,
-      out_shape=out_shapes,
-      grid=(pl.cdiv(m, tile.block_m), pl.cdiv(n, tile.block_n), split),
-      compiler_params=plgpu.CompilerParams(num_warps=tile.num_warps, num_stages=tile.num_stages),
-      input_output_aliases={len(inputs): 0} if out is not None else {},
-      interpret=interpret,
-      name=name,
-  )(*inputs, *([out] if out is not None else []))
-  product = outs[0]
-  if split > 1:
-    product = product.reshape(split, m, n).sum(axis=0).astype(out_dtype)
-  if not row_sums:
-    return product
-  return product, outs[1].reshape(split, m).sum(axis=0)
+  product = Product(m, b.shape[1], k, tile, jnp.dtype(out_dtype), transpose_a,
+                    gelu_input is not None, row_sums)
+  operands = (a, b) if gelu_input is None else (a, b, gelu_input)
+  [result] = grouped_matmul([product], [operands], mode=mode, interpret=interpret, out=out,
+                            name=name)
+  return result

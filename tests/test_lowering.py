@@ -1,0 +1,53 @@
+"""The full-size kernels lower to Triton for CUDA without a GPU.
+
+`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))` runs the whole
+Pallas-to-Triton lowering on the CPU, so unsupported primitives, block shapes
+that are not powers of 2 and rank or dtype mismatches fail here, in CI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from benchmarks.cases import SEQ_LENS
+from vision_mlp_bwd.backends import triton as triton_backend
+from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.problem import Problem
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+MODES = [DotMode.TF32, DotMode.HIGHEST, DotMode.F16, DotMode.BF16]
+
+
+def lower_for_cuda(problem: Problem, dtype=jnp.float32, config=None):
+  s, h, i = problem.tokens, problem.hidden, problem.intermediate
+  shapes = [(s, h), (s, h), (i, h), (i,), (h, i), (h,), (s, i), (s, i)]
+  specs = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+
+  def backward(*args):
+    return triton_backend.backward(*args, problem=problem, config=config)
+  return jax.jit(backward).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("tokens", SEQ_LENS)
+def test_seed_cases_lower_to_two_triton_launches(tokens, mode):
+  text = lower_for_cuda(Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode))
+  assert text.count(TRITON_CALL) == 2
+
+
+@pytest.mark.parametrize("hidden,intermediate", [(768, 3072), (1024, 4096), (1152, 4304),
+                                                 (1280, 5120)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_other_model_sizes_lower(hidden, intermediate, dtype):
+  problem = Problem(197, hidden, intermediate, jnp.dtype(dtype), DotMode.TF32)
+  assert lower_for_cuda(problem, dtype).count(TRITON_CALL) == 2
+
+
+def test_separate_launches_lower_to_four():
+  problem = Problem(4096, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
+  config = dataclasses.replace(triton_backend.default_config(problem), group_launches=False)
+  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 4
