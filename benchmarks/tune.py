@@ -104,28 +104,37 @@ def launch(role, tile, mode, s, h, i):
   return jax.jit(fn), args
 
 
-def compare_launch_grouping(seq_lens, modes, h, i, iterations):
-  """Whole backward: grouped (2 launches) vs separate (4 launches) vs XLA, same precision."""
+# Whole-backward variants of the default Config, by name (see Config's fields).
+VARIANTS = {
+    "default": {},
+    "separate": dict(group_launches=False),
+    "cast_inputs": dict(cast_inputs=True),
+    "cast_all": dict(cast_inputs=True, cast_weights=True),
+    "k_major": dict(k_major_weight_grads=True),
+    "k_major_all": dict(k_major_weight_grads=True, k_major_weights=True),
+    "cast_all_k_major": dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
+}
+
+
+def compare_variants(seq_lens, modes, names, h, i, iterations):
+  """Times the whole backward for each Config variant in `names`, and XLA, per S and mode."""
   from benchmarks.cases import make_inputs
-  from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd import reference
+  from vision_mlp_bwd.backends import triton as triton_backend
   rows = []
   for s, mode_name in itertools.product(seq_lens, modes):
     mode = DotMode(mode_name)
     problem = Problem(s, h, i, jnp.dtype(jnp.float32), mode)
-    grouped = default_config(problem)
+    config = default_config(problem)
     inputs = make_inputs(jax.random.key(s), s, h, i)
-    variants = {
-        "grouped": functools.partial(triton_backend.backward, problem=problem, config=grouped),
-        "separate": functools.partial(triton_backend.backward, problem=problem,
-                                      config=dataclasses.replace(grouped, group_launches=False)),
-        "xla": functools.partial(reference.mlp_backward, precision=mode),
-    }
+    fns = {name: functools.partial(triton_backend.backward, problem=problem,
+                                   config=dataclasses.replace(config, **VARIANTS[name]))
+           for name in names}
+    fns["xla"] = functools.partial(reference.mlp_backward, precision=mode)
     times = {name: device_times_us(jax.jit(fn), *inputs, iterations=iterations)
-             for name, fn in variants.items()}
+             for name, fn in fns.items()}
     print(f"S={s:5d} {mode_name:5s} " + " ".join(
-        f"{name} {t.median_us:7.1f} us ({t.kernels} kernels)" for name, t in times.items()),
-        flush=True)
+        f"{name} {t.median_us:6.1f} ({t.kernels})" for name, t in times.items()), flush=True)
     rows.append(dict(seq_len=s, mode=mode_name, **{n: t.median_us for n, t in times.items()}))
   return rows
 
@@ -142,14 +151,14 @@ def main():
   parser.add_argument("--start", type=_best_of, default=None,
                       help="tune.json of an earlier sweep: search around its winners")
   parser.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds")
-  parser.add_argument("--grouping", action="store_true",
-                      help="time the whole backward grouped vs separate launches vs XLA instead")
+  parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                      help="time these whole-backward Config variants (and XLA) instead")
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
-  if args.grouping:
-    rows = compare_launch_grouping(args.seq_lens, args.modes, h, i, args.iterations)
-    with open(os.path.join(args.out, "grouping.json"), "w") as f:
+  if args.variants:
+    rows = compare_variants(args.seq_lens, args.modes, args.variants, h, i, args.iterations)
+    with open(os.path.join(args.out, "variants.json"), "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f)
     return
   results = []

@@ -51,3 +51,13 @@ def test_separate_launches_lower_to_four():
   problem = Problem(4096, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
   config = dataclasses.replace(triton_backend.default_config(problem), group_launches=False)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 4
+
+
+@pytest.mark.parametrize("variant", [
+    dict(k_major_weight_grads=True, k_major_weights=True),
+    dict(cast_inputs=True, cast_weights=True, k_major_weights=True)], ids=str)
+@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
+def test_config_variants_lower(variant, mode):
+  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = dataclasses.replace(triton_backend.default_config(problem), **variant)
+  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from vision_mlp_bwd import backends, reference
+from vision_mlp_bwd import backends, reference, sharding
 from vision_mlp_bwd.precision import canonicalize
 from vision_mlp_bwd.problem import check_backward_args, check_forward_args, platform
 
@@ -39,16 +39,15 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   mode = canonicalize(precision)
   problem = check_backward_args(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight,
                                 fc2_bias, fc1_output, gelu_output, mode)
-  backend = backends.choose(implementation, problem, platform())
+  backends.choose(implementation, problem, platform())  # fail here, not per device
   if problem.tokens == 0:
     return (jnp.zeros(hidden_state.shape, hidden_state.dtype),
             jnp.zeros_like(fc1_weight), jnp.zeros_like(fc1_bias),
             jnp.zeros_like(fc2_weight), jnp.zeros_like(fc2_bias))
-  rows = lambda x: x.reshape(problem.tokens, x.shape[-1])
-  grad_hidden_state, *weight_grads = backend.backward(
-      rows(grad_output), rows(hidden_state), fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-      rows(fc1_output), rows(gelu_output), problem)
-  return (grad_hidden_state.reshape(hidden_state.shape), *weight_grads)
+  # Runs per device under sharding (see `vision_mlp_bwd.sharding`).
+  return sharding.partitioned_mlp_backward(mode, implementation, grad_output, hidden_state,
+                                           fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                                           fc1_output, gelu_output)
 
 
 def vision_mlp(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None,
@@ -63,8 +62,11 @@ def vision_mlp(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, prec
   check_forward_args(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, mode)
   if implementation is not None:
     backends.get(implementation)  # fail on unknown names now, not inside the backward
-  return _vision_mlp(mode, implementation, hidden_state, fc1_weight, fc1_bias, fc2_weight,
-                     fc2_bias)
+  # Inside a shard_map, give every input the varying axes of all; under explicit
+  # sharding, run with those axes automatic (see `vision_mlp_bwd.sharding`).
+  arrays = sharding.match_varying_axes(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+  return sharding.with_auto_axes(functools.partial(_vision_mlp, mode, implementation), arrays,
+                                 like=hidden_state)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -40,34 +40,48 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   if config is None:
     config = interpret_config(problem) if interpret else default_config(problem)
   s, h, i = problem.tokens, problem.hidden, problem.intermediate
+  operand_dtype = problem.mode.operand_dtype
+  if operand_dtype is not None and config.cast_inputs:
+    grad_output, hidden_state, gelu_output = (
+        x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
+  fc1_weight_op, fc2_weight_op = fc1_weight, fc2_weight
+  if operand_dtype is not None and config.cast_weights:
+    fc1_weight_op, fc2_weight_op = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
+  if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
+    fc1_weight_op, fc2_weight_op = fc1_weight_op.T, fc2_weight_op.T
+  by_weight = dict(transpose_b=config.k_major_weights)
   # The pre-GELU gradient is only ever a matmul operand: 16-bit modes store it
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
-  pre_dtype = jnp.dtype(problem.mode.operand_dtype or jnp.float32)
-  pre_activation = Product(s, i, h, config.pre_activation, pre_dtype, fuse_gelu=True)
-  fc2_weight_grad = Product(h, i, s, config.weight_grads, fc2_weight.dtype, transpose_a=True,
-                            row_sums=True)
-  fc1_weight_grad = Product(i, h, s, config.weight_grads, fc1_weight.dtype, transpose_a=True,
-                            row_sums=True)
-  input_grad = Product(s, h, i, config.input_grad, hidden_state.dtype)
+  pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
+
+  def weight_grad(g, z, out_dtype):
+    """`g.T @ z` over the S rows, with the column sums of `g` (a bias gradient)."""
+    (k, m), n = g.shape, z.shape[1]
+    if config.k_major_weight_grads:
+      return (Product(m, n, k, config.weight_grads, out_dtype, transpose_b=True, row_sums=True),
+              (g.T, z.T))
+    return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
+
   run = functools.partial(grouped_matmul, mode=problem.mode, interpret=interpret)
 
+  def launch(jobs, name):
+    """Runs (product, operands) pairs grouped in one launch, or one launch each."""
+    if config.group_launches:
+      return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
+    return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
+
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-  first = [(pre_activation, (grad_output, fc2_weight, fc1_output), "grad_fc1_output"),
-           (fc2_weight_grad, (grad_output, gelu_output), "grad_fc2_weight")]
-  if config.group_launches:
-    grad_pre, (grad_fc2_weight, grad_fc2_bias) = run(
-        [p for p, _, _ in first], [o for _, o, _ in first], name="mlp_backward_1")
-  else:
-    grad_pre, (grad_fc2_weight, grad_fc2_bias) = [run([p], [o], name=n)[0] for p, o, n in first]
-  second = [(input_grad, (grad_pre, fc1_weight), "grad_hidden_state"),
-            (fc1_weight_grad, (grad_pre, hidden_state), "grad_fc1_weight")]
-  if config.group_launches:
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = run(
-        [p for p, _, _ in second], [o for _, o, _ in second], name="mlp_backward_2")
-  else:
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = [
-        run([p], [o], name=n)[0] for p, o, n in second]
+  grad_pre, (grad_fc2_weight, grad_fc2_bias) = launch([
+      (Product(s, i, h, config.pre_activation, pre_dtype, fuse_gelu=True, **by_weight),
+       (grad_output, fc2_weight_op, fc1_output)),
+      weight_grad(grad_output, gelu_output, fc2_weight.dtype),
+  ], "mlp_backward_1")
+  grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
+      (Product(s, h, i, config.input_grad, hidden_state.dtype, **by_weight),
+       (grad_pre, fc1_weight_op)),
+      weight_grad(grad_pre, hidden_state, fc1_weight.dtype),
+  ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(fc1_bias.dtype),
           grad_fc2_weight, grad_fc2_bias.astype(fc2_bias.dtype))
 

@@ -45,50 +45,63 @@ class Config:
   input_grad: TileConfig
   # Two launches of two products each (True) or four launches.
   group_launches: bool = True
+  # 16-bit modes: cast the fp32 activations (grad_output, hidden_state,
+  # gelu_output) and/or the weights to the operand dtype in XLA first, so the
+  # kernels multiply 16-bit tiles they need not convert.
+  cast_inputs: bool = False
+  cast_weights: bool = False
+  # The weight-gradient products read K-contiguous transposed copies of their
+  # operands, the layout fp32 tensor-core products want.
+  k_major_weight_grads: bool = False
+  # The other two products read transposed copies of the weights (K-contiguous).
+  k_major_weights: bool = False
 
 
 T = TileConfig
+C = Config
 
-# Tiles per S bucket, from the H200 sweeps of benchmarks/tune.py (H=1280,
-# I=3584; benchmarks/results/tune*_h200.json, logged in benchmarks/NOTES.md).
-# Rows: (largest S, pre_activation, weight_grads, input_grad).
+# Per S bucket, from the H200 measurements of benchmarks/tune.py (H=1280,
+# I=3584): tiles from the per-launch sweeps (results/tune*_h200.*), the
+# cast_* choices from the whole-backward variants (results/variants_h200.*);
+# benchmarks/NOTES.md tells the story. Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
-    (64, T(64, 32, 64), T(64, 128, 64), T(64, 128, 64, split_k=8)),
-    (128, T(32, 128, 64), T(64, 128, 32), T(32, 64, 64, split_k=4)),
-    (256, T(128, 32, 64), T(128, 64, 64), T(128, 64, 64, split_k=4)),
-    (1024, T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2)),
-    (None, T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
-     T(128, 128, 64, num_warps=8)),
+    (64, C(T(64, 32, 64), T(64, 128, 64), T(64, 128, 64, split_k=8))),
+    (128, C(T(32, 128, 64), T(64, 128, 32), T(32, 64, 64, split_k=4), cast_inputs=True)),
+    (256, C(T(128, 32, 64), T(128, 64, 64), T(128, 64, 64, split_k=4), cast_inputs=True)),
+    (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
+             cast_inputs=True, cast_weights=True)),
+    (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
+             T(128, 128, 64, num_warps=8), cast_inputs=True, cast_weights=True)),
 )
 _THIRTY_TWO_BIT_TABLE = (
-    (64, T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8)),
-    (128, T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4)),
-    (256, T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8)),
+    (64, C(T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8))),
+    (128, C(T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4))),
+    (256, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8))),
     # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
     # with these, so they serve every larger S too.
-    (None, T(32, 128, 32), T(128, 64, 64), T(32, 128, 32)),
+    (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
 )
 
 # bf16x3 (HIGHEST) runs three bf16 products per tile: at S > 256 it is
 # compute-bound and 128x128 tiles halved its time per token (1.15 -> 0.55 us
 # per token between S=997 and S=1163 in h200_20261129-153212).
 _THREE_PASS_TABLE = _THIRTY_TWO_BIT_TABLE[:3] + (
-    (None, T(128, 128, 32, num_warps=8), T(128, 128, 32, num_warps=8),
-     T(128, 128, 32, num_warps=8)),
+    (None, C(T(128, 128, 32, num_warps=8), T(128, 128, 32, num_warps=8),
+             T(128, 128, 32, num_warps=8))),
 )
 
 
 def default_config(problem: Problem) -> Config:
-  """Tiles for `problem` from the measured tables above."""
+  """The measured Config for `problem` from the tables above."""
   if problem.mode.operand_dtype is not None or problem.dtype.itemsize == 2:
     table = _SIXTEEN_BIT_TABLE
   elif problem.mode in (DotMode.HIGHEST, DotMode.BF16X3):
     table = _THREE_PASS_TABLE
   else:
     table = _THIRTY_TWO_BIT_TABLE
-  for largest, pre_activation, weight_grads, input_grad in table:
+  for largest, config in table:
     if largest is None or problem.tokens <= largest:
-      return Config(pre_activation, weight_grads, input_grad)
+      return config
   raise AssertionError("unreachable: the last row takes every S")
 
 
@@ -105,8 +118,7 @@ def interpret_config(problem: Problem) -> Config:
 # Elsewhere, and for modes not listed, XLA runs.
 TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
     DotMode.TF32: ((1, 64),),
-    DotMode.F16: ((1, 64),),
-    DotMode.BF16: ((1, 64),),
+    DotMode.F16: ((1, 64), (200, 256)),
     DotMode.HIGHEST: ((1, 64), (257, None)),
 }
 

@@ -1,7 +1,9 @@
 """The Pallas-Triton kernel of the backward: masked, tiled matmuls, grouped per launch.
 
-A `Product` is one `C = op(A) @ B`, where `op(A)` is `A` (`[M, K]`) or `A.T`
-(`A` stored `[K, M]`), with two optional fusions:
+A `Product` is one `C = op(A) @ op(B)`, where `op(A)` is `A` (`[M, K]`) or
+`A.T` (`A` stored `[K, M]`) and `op(B)` is `B` (`[K, N]`) or `B.T` (`B` stored
+`[N, K]`, K-contiguous, as fp32 tensor-core products want), with two optional
+fusions:
 
 * `fuse_gelu`: the epilogue multiplies the tile by `gelu_tanh_grad` of the
   matching tile of a third input `[M, N]`, so the pre-GELU gradient is
@@ -55,6 +57,7 @@ class Product:
   tile: TileConfig
   out_dtype: jnp.dtype
   transpose_a: bool = False
+  transpose_b: bool = False
   fuse_gelu: bool = False
   row_sums: bool = False
 
@@ -73,13 +76,24 @@ class Product:
   def num_inputs(self) -> int:
     return 3 if self.fuse_gelu else 2
 
-  def out_shapes(self):
+  def out_shapes(self, like):
     split = self.tile.split_k
     dtype = jnp.float32 if split > 1 else self.out_dtype
-    shapes = [jax.ShapeDtypeStruct((split * self.m, self.n), dtype)]
+    shapes = [_out_struct((split * self.m, self.n), dtype, like)]
     if self.row_sums:
-      shapes.append(jax.ShapeDtypeStruct((split * self.m,), jnp.float32))
+      shapes.append(_out_struct((split * self.m,), jnp.float32, like))
     return shapes
+
+
+def _out_struct(shape, dtype, like):
+  """An output varying over the same `shard_map` axes as `like` (Pallas checks that)."""
+  mat = getattr(jax.typeof(like), "mat", None)
+  if mat is not None:
+    try:
+      return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
+    except TypeError:  # a JAX without manual-axis types on ShapeDtypeStruct
+      pass
+  return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def _span(block_index, block_size, extent):
@@ -112,8 +126,12 @@ def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode):
       a = _load(a_ref, ks, k_mask, rows, row_mask)      # [bk, bm]
     else:
       a = _load(a_ref, rows, row_mask, ks, k_mask)      # [bm, bk]
-    b = _load(b_ref, ks, k_mask, cols, col_mask)        # [bk, bn]
-    acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1)
+    if p.transpose_b:
+      b = _load(b_ref, cols, col_mask, ks, k_mask)      # [bn, bk]
+    else:
+      b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
+    acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
+                      contract_b=1 if p.transpose_b else 0)
     if p.row_sums:
       sums += jnp.sum(a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
     return acc, sums
@@ -165,10 +183,15 @@ def grouped_matmul(products, operands, *, mode: DotMode, interpret=False, out=No
   for p, ops in zip(products, operands, strict=True):
     a, b = ops[0], ops[1]
     assert a.shape == ((p.k, p.m) if p.transpose_a else (p.m, p.k)), (p, a.shape)
-    assert b.shape == (p.k, p.n) and len(ops) == p.num_inputs, (p, b.shape)
+    assert b.shape == ((p.n, p.k) if p.transpose_b else (p.k, p.n)), (p, b.shape)
+    assert len(ops) == p.num_inputs, p
     assert not (p.fuse_gelu and p.tile.split_k > 1), p
-  out_shapes = [s for p in products for s in p.out_shapes()]
-  inputs = [x for ops in operands for x in ops]
+  from vision_mlp_bwd.sharding import match_varying_axes  # sharding imports this module
+  inputs = [x for ops in operands for x in ops] + ([out] if out is not None else [])
+  inputs = list(match_varying_axes(*inputs))
+  if out is not None:
+    *inputs, out = inputs
+  out_shapes = [s for p in products for s in p.out_shapes(like=inputs[0])]
   if out is not None:
     assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
   _filter_triton_deprecation()
