@@ -75,3 +75,11 @@ def assert_close_to_oracle(outs, oracle, tolerance, label=""):
     assert np.all(np.isfinite(out)), f"{label} {name}: non-finite values (unwritten or NaN)"
     err = relative_error(out, ref)
     assert err <= tolerance, f"{label} {name}: relative error {err:.2e} > {tolerance:.1e}"
+
+
+def cuda_lowering_without_gpu() -> bool:
+  """Whether this JAX lowers for CUDA on a machine without a GPU (0.10 does; 0.11 does not)."""
+  if jax.default_backend() == "gpu":
+    return True
+  major, minor = (int(v) for v in jax.__version__.split(".")[:2])
+  return (major, minor) < (0, 11)

@@ -18,7 +18,11 @@ from vision_mlp_bwd.backends import triton as triton_backend
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
+from tests import helpers
+
 TRITON_CALL = "__gpu$xla.gpu.triton"
+pytestmark = pytest.mark.skipif(not helpers.cuda_lowering_without_gpu(),
+                                reason="this JAX cannot lower for CUDA without a GPU")
 MODES = [DotMode.TF32, DotMode.HIGHEST, DotMode.F16, DotMode.BF16]
 
 

@@ -328,6 +328,8 @@ def test_hlo_checks_flag_unpartitioned_kernels():
   assert_no_activation_traffic(public.lower(*sharded).compile().as_text(), mesh, inputs, specs)
 
 
+@pytest.mark.skipif(not helpers.cuda_lowering_without_gpu(),
+                    reason="this JAX cannot lower for CUDA without a GPU")
 def test_per_device_body_lowers_to_triton_for_cuda(monkeypatch):
   """What XLA compiles per device on a GPU: the partition rule's body for a 2-D mesh at
   ViT-H size, lowered for CUDA on this CPU (real Triton lowering, not interpret mode)."""

@@ -225,8 +225,8 @@ def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_
                  name="tiled_matmul"):
   """One product in its own launch; see `Product` and `grouped_matmul`."""
   k, m = a.shape if transpose_a else a.shape[::-1]
-  product = Product(m, b.shape[1], k, tile, jnp.dtype(out_dtype), transpose_a,
-                    gelu_input is not None, row_sums)
+  product = Product(m, b.shape[1], k, tile, jnp.dtype(out_dtype), transpose_a=transpose_a,
+                    fuse_gelu=gelu_input is not None, row_sums=row_sums)
   operands = (a, b) if gelu_input is None else (a, b, gelu_input)
   [result] = grouped_matmul([product], [operands], mode=mode, interpret=interpret, out=out,
                             name=name)
