@@ -83,3 +83,12 @@ def cuda_lowering_without_gpu() -> bool:
     return True
   major, minor = (int(v) for v in jax.__version__.split(".")[:2])
   return (major, minor) < (0, 11)
+
+
+def check_triton_backward(inputs, tolerance, label="", **kwargs):
+  """Runs `mlp_backward` on the Triton kernels and holds it to the float64 oracle."""
+  import vision_mlp_bwd
+  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton", **kwargs)
+  assert all(o.dtype == inputs[1].dtype for o in outs), [o.dtype for o in outs]
+  assert_close_to_oracle(outs, backward_float64(*inputs), tolerance, label)
+  return outs

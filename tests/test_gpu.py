@@ -27,26 +27,20 @@ MODEL_SIZES = [(1280, 3584), (768, 3072), (1024, 4096), (1152, 4304), (1280, 512
 
 @pytest.mark.parametrize("tokens", [64, 211, 1163])
 def test_highest_within_1e5_of_float64(tokens):
-  inputs = helpers.backward_inputs(tokens, 1280, 3584)
-  outs = vision_mlp_bwd.mlp_backward(*inputs, precision="highest", implementation="triton")
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-5, f"S={tokens}")
+  helpers.check_triton_backward(helpers.backward_inputs(tokens, 1280, 3584), 1e-5, f"S={tokens}",
+                                precision="highest")
 
 
 @pytest.mark.parametrize("hidden,intermediate", MODEL_SIZES)
 @pytest.mark.parametrize("precision,tolerance", [(None, 1e-3), (F16, 2e-3)], ids=["tf32", "f16"])
 def test_model_sizes(hidden, intermediate, precision, tolerance):
-  inputs = helpers.backward_inputs(197, hidden, intermediate)
-  outs = vision_mlp_bwd.mlp_backward(*inputs, precision=precision, implementation="triton")
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), tolerance,
-                                 f"{hidden}x{intermediate}")
+  helpers.check_triton_backward(helpers.backward_inputs(197, hidden, intermediate), tolerance,
+                                f"{hidden}x{intermediate}", precision=precision)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16bit_inputs(dtype):
-  inputs = helpers.backward_inputs(300, 1280, 3584, dtype=dtype)
-  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
-  assert all(o.dtype == dtype for o in outs)
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-2)
+  helpers.check_triton_backward(helpers.backward_inputs(300, 1280, 3584, dtype=dtype), 1e-2)
 
 
 @pytest.mark.parametrize("precision", [None, F16, "highest"], ids=["tf32", "f16", "highest"])

@@ -32,18 +32,13 @@ TOLERANCE = {None: 1e-5, "highest": 1e-5, F16: 2e-3, BF16: 1e-2}
 def test_backward_matches_float64(tokens, precision):
   hidden, intermediate = 40, 72  # not multiples of the 16/32 tiles
   inputs = helpers.backward_inputs(tokens, hidden, intermediate)
-  outs = vision_mlp_bwd.mlp_backward(*inputs, precision=precision, implementation="triton")
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), TOLERANCE[precision],
-                                 f"S={tokens}")
+  helpers.check_triton_backward(inputs, TOLERANCE[precision], f"S={tokens}", precision=precision)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_16bit_inputs_give_16bit_outputs(dtype):
-  inputs = helpers.backward_inputs(50, 24, 56, dtype=dtype)
-  outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
-  assert all(o.dtype == dtype for o in outs)
   # Inputs are exact in fp32; the only extra error is rounding the outputs to 16 bits.
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-2)
+  helpers.check_triton_backward(helpers.backward_inputs(50, 24, 56, dtype=dtype), 1e-2)
 
 
 def test_triton_agrees_with_xla_backend():
