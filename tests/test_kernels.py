@@ -132,5 +132,6 @@ def test_config_variants_compute_the_same_gradients(variant):
   if variant == dict(group_launches=False):
     for a, b in zip(base, varied):  # the same tiles in the same order: bit for bit
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]
   tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
   helpers.assert_close_to_oracle(varied, helpers.backward_float64(*inputs), tolerance)

@@ -37,25 +37,26 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
              gelu_output, problem: Problem, config: Config | None = None,
              interpret: bool = False):
   """The five gradients for 2-D activations `[S, ·]`, computed by the Triton kernels."""
+  del fc1_bias, fc2_bias  # not read
   if config is None:
     config = interpret_config(problem) if interpret else default_config(problem)
   s, h, i = problem.tokens, problem.hidden, problem.intermediate
   operand_dtype = problem.mode.operand_dtype
+  out_dtype = problem.dtype  # every input has it, so every gradient does
   if operand_dtype is not None and config.cast_inputs:
     grad_output, hidden_state, gelu_output = (
         x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
-  fc1_weight_op, fc2_weight_op = fc1_weight, fc2_weight
   if operand_dtype is not None and config.cast_weights:
-    fc1_weight_op, fc2_weight_op = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
+    fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
-    fc1_weight_op, fc2_weight_op = fc1_weight_op.T, fc2_weight_op.T
+    fc1_weight, fc2_weight = fc1_weight.T, fc2_weight.T
   by_weight = dict(transpose_b=config.k_major_weights)
   # The pre-GELU gradient is only ever a matmul operand: 16-bit modes store it
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
 
-  def weight_grad(g, z, out_dtype):
+  def weight_grad(g, z):
     """`g.T @ z` over the S rows, with the column sums of `g` (a bias gradient)."""
     (k, m), n = g.shape, z.shape[1]
     if config.k_major_weight_grads:
@@ -74,16 +75,15 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
   grad_pre, (grad_fc2_weight, grad_fc2_bias) = launch([
       (Product(s, i, h, config.pre_activation, pre_dtype, fuse_gelu=True, **by_weight),
-       (grad_output, fc2_weight_op, fc1_output)),
-      weight_grad(grad_output, gelu_output, fc2_weight.dtype),
+       (grad_output, fc2_weight, fc1_output)),
+      weight_grad(grad_output, gelu_output),
   ], "mlp_backward_1")
   grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
-      (Product(s, h, i, config.input_grad, hidden_state.dtype, **by_weight),
-       (grad_pre, fc1_weight_op)),
-      weight_grad(grad_pre, hidden_state, fc1_weight.dtype),
+      (Product(s, h, i, config.input_grad, out_dtype, **by_weight), (grad_pre, fc1_weight)),
+      weight_grad(grad_pre, hidden_state),
   ], "mlp_backward_2")
-  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(fc1_bias.dtype),
-          grad_fc2_weight, grad_fc2_bias.astype(fc2_bias.dtype))
+  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
+          grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
 
 class TritonBackend:
