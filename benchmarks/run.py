@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
       cpu_demo=plan.cpu_demo, device=device.device_kind, platform=jax.default_backend(),
       host=host_platform.node(), jax_version=jax.__version__,
       jaxlib_version=jaxlib.__version__,
-      git_commit=_git("rev-parse", "HEAD") or "unknown", git_dirty=bool(_git("status", "--porcelain")),
+      git_commit=_git("rev-parse", "HEAD") or os.environ.get("GIT_COMMIT", "unknown"), git_dirty=bool(_git("status", "--porcelain")),
       date=now.isoformat(timespec="seconds"), argv=sys.argv[1:] if argv is None else list(argv),
       sizes=plan.sizes, seq_lens=plan.seq_lens, precisions=plan.precisions,
       implementations=plan.implementations, warmup=plan.warmup, iterations=plan.iterations,
