@@ -2,7 +2,8 @@
 # Everything that needs the GPU, in one call (the order used on the H200):
 # GPU tests, memcheck, the benchmark suite, the bf16 subset and the Flax step
 # time. Writes logs and results under ${OUT:-benchmarks/results/run}; set
-# GIT_COMMIT when the tree is a copy without git history.
+# GIT_COMMIT when the tree is a copy without git history. About 12 minutes on an
+# H200: through the device tool (10 minutes a call) split it across two calls.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-benchmarks/results/run}
