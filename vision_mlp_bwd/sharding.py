@@ -34,9 +34,10 @@ axis names from the user and works through the existing public functions:
 `jax.jit(jax.grad(loss))` of a model calling `vision_mlp` on sharded params
 and activations partitions the kernels the same way XLA partitions the
 surrounding `jnp` code (also inside `lax.scan` over layers, with `jax.set_mesh`
-or `with mesh:` or neither, with Auto or Explicit mesh axes). An explicit wrapper would make every model thread
-a mesh and axis names through to the MLP, and would still all-gather when
-they disagree with how the arrays are actually sharded.
+or `with mesh:` or neither, with Auto or Explicit mesh axes). An explicit
+wrapper would make every model thread a mesh and axis names through to the
+MLP, and would still all-gather when they disagree with how the arrays are
+actually sharded.
 
 Versions. Tested on JAX 0.10.2 (CPU, 8 host devices) with both partitioners:
 Shardy (the default) reads `_SHARDING_RULE`, the deprecated GSPMD partitioner
@@ -46,7 +47,8 @@ JAX 0.11 made that second function mandatory under GSPMD (it raises
 `custom_partitioning` (the `ClosedJaxpr` merge, tracing through flat trees)
 are internal; the `partition` callback's signature and the per-device
 lowering are unchanged, and the body must still close over no array constants
-(ours does not). Not run on 0.11 here (it needs Python >= 3.12).
+(ours does not). tests/test_sharding.py also passes on JAX 0.11.2 (its CPU
+backend, on the GPU machine; 2026-11-29).
 
 Limits. `custom_partitioning` has no vmap or JVP rule, so `mlp_backward` adds
 them: under `jax.vmap` or `jax.jvp` it runs the per-device backward vmapped /
