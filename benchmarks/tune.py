@@ -63,6 +63,7 @@ _AXES = {
     "split_k": (1, 2, 4, 8, 16),
     "num_warps": (2, 4, 8),
     "num_stages": (2, 3, 4, 5, 6),
+    "tiles_per_program": (1, 2, 4, 8),
 }
 
 

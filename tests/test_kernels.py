@@ -91,14 +91,15 @@ def test_results_are_bitwise_deterministic():
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k):
-  m, n, k = 37, 45, 70
+@pytest.mark.parametrize("split_k,tiles_per_program", [(1, 1), (3, 1), (1, 3), (2, 2)])
+def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k,
+                                                                  tiles_per_program):
+  m, n, k = 37, 45 + 40 * tiles_per_program, 70  # n-block count not a multiple of the group
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
   b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
   poisoned = jnp.full((split_k * m, n), jnp.nan, jnp.float32)
-  tile = TileConfig(16, 32, 16, split_k=split_k)
+  tile = TileConfig(16, 32, 16, split_k=split_k, tiles_per_program=tiles_per_program)
   product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
                                        transpose_a=transpose_a, row_sums=True, out=poisoned,
                                        interpret=True)

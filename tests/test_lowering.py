@@ -65,3 +65,12 @@ def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = dataclasses.replace(triton_backend.default_config(problem), **variant)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
+
+
+def test_several_tiles_per_program_lower():
+  problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
+  config = triton_backend.default_config(problem)
+  config = dataclasses.replace(
+      config, weight_grads=dataclasses.replace(config.weight_grads, tiles_per_program=4),
+      pre_activation=dataclasses.replace(config.pre_activation, tiles_per_program=2))
+  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2

@@ -22,14 +22,18 @@ class TileConfig:
   split_k: int = 1        # programs that share one output tile's contraction
   num_warps: int = 4
   num_stages: int = 3
+  # Output tiles (consecutive along N) one program computes in turn, so its
+  # stores of one tile overlap the loads of the next.
+  tiles_per_program: int = 1
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"TileConfig.{name}={value}: Triton needs a power of 2 >= 16.")
-    if self.split_k < 1:
-      raise ValueError(f"TileConfig.split_k={self.split_k} must be >= 1.")
+    for name in ("split_k", "tiles_per_program"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,9 +63,10 @@ class Product:
 
   @property
   def grid(self):
-    """(m blocks, n blocks, splits); m varies fastest so neighbours share B's tiles."""
+    """(m blocks, n-block groups, splits); m varies fastest so neighbours share B's tiles."""
     t = self.tile
-    return pl.cdiv(self.m, t.block_m), pl.cdiv(self.n, t.block_n), t.split_k
+    n_blocks = pl.cdiv(self.n, t.block_n)
+    return pl.cdiv(self.m, t.block_m), pl.cdiv(n_blocks, t.tiles_per_program), t.split_k
 
   @property
   def programs(self) -> int:
@@ -109,11 +110,22 @@ def _load(ref, rows, row_mask, cols, col_mask):
 
 
 def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode):
-  """The work of program number `program` of product `p`."""
+  """The work of program number `program` of product `p`: its output tiles in turn."""
+  gm, gn, _ = p.grid
+  pid_m, group, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
+  first_n = group * p.tile.tiles_per_program
+  if p.tile.tiles_per_program == 1:
+    _output_tile(p, pid_m, first_n, pid_k, in_refs, out_refs, mode)
+  else:
+    @pl.loop(0, p.tile.tiles_per_program)
+    def _(j):
+      _output_tile(p, pid_m, first_n + j, pid_k, in_refs, out_refs, mode)
+
+
+def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode):
+  """One output tile (one split of its contraction), stored; masked at every edge."""
   a_ref, b_ref, *x_ref = in_refs
   out_ref, *row_sum_ref = out_refs
-  gm, gn, _ = p.grid
-  pid_m, pid_n, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
   t = p.tile
   rows, row_mask = _span(pid_m, t.block_m, p.m)
   cols, col_mask = _span(pid_n, t.block_n, p.n)
