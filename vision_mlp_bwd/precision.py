@@ -104,11 +104,9 @@ def xla_dot_general(a, b, dimension_numbers, mode: DotMode):
   the bf16x3 preset is used on GPU and true fp32 elsewhere, which is at least
   as accurate.
   """
-  if mode.operand_dtype is not None:
-    a, b = a.astype(mode.operand_dtype), b.astype(mode.operand_dtype)
-    precision = None
-  elif a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
-    precision = None  # 16-bit products are exact in fp32: every 32-bit mode agrees.
+  sixteen_bit = _sixteen_bit_operands(a, b, mode)
+  if sixteen_bit is not None:
+    (a, b), precision = sixteen_bit, None
   elif mode == DotMode.BF16X3 and jax.default_backend() != "gpu":
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     precision = lax.Precision.HIGHEST  # the preset is GPU-only; fp32 is more accurate
@@ -118,6 +116,19 @@ def xla_dot_general(a, b, dimension_numbers, mode: DotMode):
   return lax.dot_general(
       a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
   )
+
+
+def _sixteen_bit_operands(a, b, mode: DotMode):
+  """The operands of a 16-bit product, or None when `mode` multiplies in 32 bits.
+
+  16-bit modes cast; 16-bit inputs stay as they are in any mode, since their
+  products are exact in fp32 and every 32-bit mode agrees on them.
+  """
+  if mode.operand_dtype is not None:
+    return a.astype(mode.operand_dtype), b.astype(mode.operand_dtype)
+  if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
+    return a, b
+  return None
 
 
 def _split_bf16(x):
@@ -138,10 +149,9 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0)
   def dot(x, y, precision=None):
     return lax.dot_general(x, y, dims, precision=precision, preferred_element_type=jnp.float32)
 
-  if mode.operand_dtype is not None:
-    return dot(a.astype(mode.operand_dtype), b.astype(mode.operand_dtype))
-  if a.dtype == b.dtype and a.dtype in (jnp.bfloat16, jnp.float16):
-    return dot(a, b)  # 16-bit products are exact in fp32: every 32-bit mode agrees.
+  sixteen_bit = _sixteen_bit_operands(a, b, mode)
+  if sixteen_bit is not None:
+    return dot(*sixteen_bit)
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   if mode in (DotMode.BF16X3, DotMode.HIGHEST):
     a_hi, a_lo = _split_bf16(a)
