@@ -6,7 +6,9 @@ For each S, mode and role (pre_activation, weight_grads, input_grad) it
 compiles every candidate `TileConfig` in parallel, then times each with CUPTI
 on a cold L2 (benchmarks/timing.py) and prints the best. The winners feed the
 heuristics in `vision_mlp_bwd/backends/triton/config.py`; the log goes to
-`benchmarks/NOTES.md`.
+`benchmarks/NOTES.md`. Each launch is timed on fp32 activations (16-bit modes
+cast inside the kernel); the table rows that set `cast_inputs` feed the
+kernels 16-bit operands instead, which `--variants` times as a whole.
 """
 
 from __future__ import annotations
