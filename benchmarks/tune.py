@@ -119,6 +119,26 @@ VARIANTS = {
 }
 
 
+def variant_config(config, name):
+  """`config` changed as the variant `name` says: a name of VARIANTS, or overrides
+  such as `weight_grads.tiles_per_program=2,cast_inputs=1` (comma-separated;
+  `role.field` reaches into that role's TileConfig)."""
+  if name in VARIANTS:
+    return dataclasses.replace(config, **VARIANTS[name])
+  for item in name.split(","):
+    path, _, value = item.partition("=")
+    role, _, field = path.rpartition(".")
+    if not value or not hasattr(config if not role else getattr(config, role, None), field):
+      raise SystemExit(f"--variants: {item!r} is neither a name of {sorted(VARIANTS)} "
+                       "nor FIELD=VALUE / ROLE.FIELD=VALUE of Config and TileConfig")
+    if role:
+      tile = dataclasses.replace(getattr(config, role), **{field: int(value)})
+      config = dataclasses.replace(config, **{role: tile})
+    else:
+      config = dataclasses.replace(config, **{field: bool(int(value))})
+  return config
+
+
 def compare_variants(seq_lens, modes, names, h, i, iterations):
   """Times the whole backward for each Config variant in `names`, and XLA, per S and mode."""
   from benchmarks.cases import make_inputs
@@ -131,7 +151,7 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
     config = default_config(problem)
     inputs = make_inputs(jax.random.key(s), s, h, i)
     fns = {name: functools.partial(triton_backend.backward, problem=problem,
-                                   config=dataclasses.replace(config, **VARIANTS[name]))
+                                   config=variant_config(config, name))
            for name in names}
     fns["xla"] = functools.partial(reference.mlp_backward, precision=mode)
     times = {name: device_times_us(jax.jit(fn), *inputs, iterations=iterations)
@@ -154,8 +174,9 @@ def main():
   parser.add_argument("--start", type=_best_of, default=None,
                       help="tune.json of an earlier sweep: search around its winners")
   parser.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds")
-  parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                      help="time these whole-backward Config variants (and XLA) instead")
+  parser.add_argument("--variants", nargs="+",
+                      help="time these whole-backward Config variants (and XLA) instead: "
+                           f"names of {sorted(VARIANTS)} or overrides, see variant_config")
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
