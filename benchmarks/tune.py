@@ -162,6 +162,74 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
   return rows
 
 
+# The grouped launches take warps and pipeline depth from their first product
+# (pre_activation, input_grad), so the weight-gradient tile searches neither.
+_LAUNCH_AXES = {
+    "pre_activation": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
+    "weight_grads": ("block_m", "block_n", "block_k"),
+    "input_grad": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
+}
+
+
+def config_neighbours(config, s, sixteen_bit):
+  """Configs one step from `config` along one axis of one role, or one cast flag flipped."""
+  out = []
+  for role, axes in _LAUNCH_AXES.items():
+    for tile in neighbours(role, getattr(config, role), s):
+      changed = [a for a in axes if getattr(tile, a) != getattr(getattr(config, role), a)]
+      if changed:
+        out.append(dataclasses.replace(config, **{role: tile}))
+  if sixteen_bit:
+    for flag in ("cast_inputs", "cast_weights"):
+      out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
+  return out
+
+
+def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path):
+  """Coordinate search over whole-backward Configs, starting at the table's.
+
+  Each round times every neighbour of the best Config so far (compiled in
+  parallel, timed in turn); the winner is then re-timed beside the table's
+  Config and XLA with more calls, and checked against the SOL gate.
+  """
+  from benchmarks import correctness
+  from benchmarks.cases import make_inputs
+  from vision_mlp_bwd import reference
+  from vision_mlp_bwd.backends import triton as triton_backend
+  rows = []
+  for s, mode_name in itertools.product(seq_lens, modes):
+    mode = DotMode(mode_name)
+    problem = Problem(s, h, i, jnp.dtype(jnp.float32), mode)
+    inputs = make_inputs(jax.random.key(s), s, h, i)
+    run = lambda c: jax.jit(functools.partial(triton_backend.backward, problem=problem, config=c))
+    table = default_config(problem)
+    timed, frontier = {}, [table]
+    for _ in range(rounds):
+      frontier = [c for c in dict.fromkeys(frontier) if c not in timed]
+      with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        compiled = list(pool.map(lambda c: _compile(run(c), inputs)[0], frontier))
+      for config, fn in zip(frontier, compiled):
+        timed[config] = (None if fn is None else
+                         device_times_us(fn, *inputs, warmup=3, iterations=iterations).median_us)
+      ok = {c: t for c, t in timed.items() if t is not None}
+      best = min(ok, key=ok.get)
+      frontier = config_neighbours(best, s, mode.operand_dtype is not None)
+    final = {name: device_times_us(jax.jit(fn), *inputs, iterations=3 * iterations).median_us
+             for name, fn in (("table", run(table)), ("best", run(best)),
+                              ("xla", functools.partial(reference.mlp_backward, precision=mode)))}
+    verdict = correctness.gate(run(best)(*inputs), correctness.reference_outputs(inputs), s,
+                               "default" if mode == DotMode.TF32 else mode_name)
+    print(f"S={s:5d} {mode_name:5s} table {final['table']:6.1f} best {final['best']:6.1f} "
+          f"xla {final['xla']:6.1f} ({final['xla'] / final['best']:.2f}x, {len(timed)} timed, "
+          f"gate {'PASS' if verdict.passed else 'FAIL ' + verdict.reason}) {best}", flush=True)
+    rows.append(dict(seq_len=s, mode=mode_name, us=final, passed=verdict.passed,
+                     best=dataclasses.asdict(best), table=dataclasses.asdict(table),
+                     timed=[dict(config=dataclasses.asdict(c), us=t) for c, t in timed.items()]))
+    with open(out_path, "w") as f:   # after every case, so a cut-off run keeps what it has
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f)
+  return rows
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256, 768])
@@ -177,9 +245,15 @@ def main():
   parser.add_argument("--variants", nargs="+",
                       help="time these whole-backward Config variants (and XLA) instead: "
                            f"names of {sorted(VARIANTS)} or overrides, see variant_config")
+  parser.add_argument("--search-configs", action="store_true",
+                      help="coordinate search over whole-backward Configs instead (search.json)")
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
+  if args.search_configs:
+    search_configs(args.seq_lens, args.modes, h, i, args.rounds, args.iterations,
+                   os.path.join(args.out, "search.json"))
+    return
   if args.variants:
     rows = compare_variants(args.seq_lens, args.modes, args.variants, h, i, args.iterations)
     with open(os.path.join(args.out, "variants.json"), "w") as f:

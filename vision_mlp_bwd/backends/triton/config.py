@@ -65,31 +65,45 @@ T = TileConfig
 C = Config
 
 # Per S bucket, from the H200 measurements of benchmarks/tune.py (H=1280,
-# I=3584): tiles from the per-launch sweeps (results/tune*_h200.*), the
-# cast_* choices from the whole-backward variants (results/variants_h200.*);
+# I=3584). Up to S=256 the rows are the winners of a coordinate search over
+# whole-backward Configs at the seed's S (`tune --search-configs`,
+# results/search_*_h200.json): in a grouped launch the first product's warps
+# and pipeline depth serve both products, so tiles tuned one launch at a time
+# (results/tune*_h200.*, the rows above S=256) were up to 30% off.
 # benchmarks/NOTES.md tells the story. Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
-    (64, C(T(64, 32, 64), T(64, 128, 64), T(64, 128, 64, split_k=8))),
-    (128, C(T(32, 128, 64), T(64, 128, 32), T(32, 64, 64, split_k=4), cast_inputs=True)),
-    (256, C(T(128, 32, 64), T(128, 64, 64), T(128, 64, 64, split_k=4), cast_inputs=True)),
+    (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
+    (128, C(T(32, 64, 64), T(64, 128, 32), T(128, 32, 64, split_k=4), cast_inputs=True)),
+    (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
+            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True)),         # S=131
+    (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True)),
+    (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
+            cast_inputs=True)),
     (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
              cast_inputs=True, cast_weights=True)),
     (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
              T(128, 128, 64, num_warps=8), cast_inputs=True, cast_weights=True)),
 )
 _THIRTY_TWO_BIT_TABLE = (
-    (64, C(T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8))),
-    (128, C(T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4))),
-    (256, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8))),
+    (64, C(T(32, 64, 64, num_stages=4), T(128, 64, 64), T(32, 128, 32, split_k=8))),
+    (128, C(T(32, 64, 32, num_warps=2, num_stages=4), T(64, 128, 32, num_warps=2),
+            T(64, 64, 32, split_k=4, num_warps=2))),
+    (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
+            T(32, 256, 32, split_k=8, num_warps=2))),                            # S=211
+    (256, C(T(32, 256, 32), T(128, 64, 64), T(32, 256, 16, split_k=4))),
     # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
     # with these, so they serve every larger S too.
     (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
 )
 
-# bf16x3 (HIGHEST) runs three bf16 products per tile: at S > 256 it is
-# compute-bound and 128x128 tiles halved its time per token (1.15 -> 0.55 us
-# per token between S=997 and S=1163 in h200_20261129-153212).
-_THREE_PASS_TABLE = _THIRTY_TWO_BIT_TABLE[:3] + (
+# bf16x3 (HIGHEST) runs three bf16 products per tile: up to S=256 the
+# per-launch TF32 tiles; above, it is compute-bound and 128x128 tiles halved
+# its time per token (1.15 -> 0.55 us per token between S=997 and S=1163 in
+# h200_20261129-153212).
+_THREE_PASS_TABLE = (
+    (64, C(T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8))),
+    (128, C(T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4))),
+    (256, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8))),
     (None, C(T(128, 128, 32, num_warps=8), T(128, 128, 32, num_warps=8),
              T(128, 128, 32, num_warps=8))),
 )
