@@ -9,7 +9,9 @@ the older path), whether loads are asynchronous copies into shared memory
 (`cp.async`, the pipelined path) or plain `ld.global`, and their widths. The
 PTX files land in DIR. `--calls N` then runs each backward N times, for
 `ncu` to profile (`ncu --clock-control none -k regex:mlp_backward ...`).
-Needs a CUDA GPU.
+Needs a CUDA GPU. Its first run (JAX 0.11.2, H200) found no kernel PTX among
+XLA's `*.ptx` dumps; it now searches every dumped file and says plainly when
+none holds the kernels (benchmarks/NOTES.md, section 9).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def main():
   from vision_mlp_bwd.problem import Problem
 
   os.makedirs(args.out, exist_ok=True)
-  rows, moved = [], set()
+  rows, moved = [], set()   # every dumped file is searched: PTX, LLVM IR, whatever holds them
   for s in args.seq_lens:
     for mode_name in args.modes:
       problem = Problem(s, HIDDEN, INTERMEDIATE, jnp.dtype(jnp.float32), DotMode(mode_name))
@@ -76,9 +78,11 @@ def main():
       compiled = fn.lower(*inputs).compile()
       for _ in range(args.calls):
         jax.block_until_ready(compiled(*inputs))
-      for path in sorted(set(glob.glob(os.path.join(dump, "*.ptx"))) - moved):
+      for path in sorted(set(glob.glob(os.path.join(dump, "**", "*"), recursive=True)) - moved):
         moved.add(path)
-        with open(path) as f:
+        if os.path.isdir(path):
+          continue
+        with open(path, errors="replace") as f:
           text = f.read()
         kernels = {n: b for n, b in kernels_in_ptx(text).items() if "mlp_backward" in n}
         if kernels:
@@ -86,6 +90,10 @@ def main():
             f.write(text)
         rows += [(f"S={s} {mode_name} {name}", count_instructions(body))
                  for name, body in kernels.items()]
+  if not rows:
+    suffixes = sorted({os.path.splitext(p)[1] for p in moved})
+    raise SystemExit(f"No `.entry mlp_backward*` in XLA's dump ({len(moved)} files, suffixes "
+                     f"{suffixes}): this JAX does not dump the Triton kernels' PTX there.")
   print(f"{'kernel':36s} " + " ".join(f"{k:>13s}" for k in PATTERNS))
   for label, counts in rows:
     print(f"{label[:36]:36s} " + " ".join(f"{counts[k]:13d}" for k in PATTERNS))

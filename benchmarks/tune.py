@@ -172,16 +172,18 @@ _LAUNCH_AXES = {
 
 
 def config_neighbours(config, s, sixteen_bit):
-  """Configs one step from `config` along one axis of one role, or one cast flag flipped."""
+  """Configs one step from `config` along one axis of one role, or one layout flag flipped."""
   out = []
   for role, axes in _LAUNCH_AXES.items():
     for tile in neighbours(role, getattr(config, role), s):
       changed = [a for a in axes if getattr(tile, a) != getattr(getattr(config, role), a)]
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
-  if sixteen_bit:
-    for flag in ("cast_inputs", "cast_weights"):
-      out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
+  # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
+  flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
+      "k_major_weight_grads", "k_major_weights")
+  for flag in flags:
+    out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
   return out
 
 

@@ -215,3 +215,65 @@ def test_cpu_demo_end_to_end(tmp_path, capsys):
   assert len(os.listdir(tmp_path)) == 6
   assert "CPU demo, not a GPU benchmark" in (tmp_path / "cpu_demo_latest.md").read_text()
   assert "mean over cases" in capsys.readouterr().out
+
+
+def _table_config(seq_len, mode):
+  import jax.numpy as jnp
+
+  from vision_mlp_bwd.backends.triton.config import default_config
+  from vision_mlp_bwd.precision import DotMode
+  from vision_mlp_bwd.problem import Problem
+  return default_config(Problem(seq_len, 1280, 3584, jnp.dtype(jnp.float32), DotMode(mode)))
+
+
+def test_variant_config_takes_names_and_field_overrides():
+  from benchmarks.tune import variant_config
+  config = _table_config(64, "f16")
+  assert variant_config(config, "default") == config
+  assert variant_config(config, "separate").group_launches is False
+  varied = variant_config(config, "weight_grads.tiles_per_program=2,cast_inputs=1")
+  assert varied.weight_grads.tiles_per_program == 2 and varied.cast_inputs
+  assert varied.pre_activation == config.pre_activation
+  for bad in ("bogus", "weight_grads.bogus=2", "pre_activation.block_m"):
+    with pytest.raises(SystemExit, match="neither a name"):
+      variant_config(config, bad)
+
+
+@pytest.mark.parametrize("mode", ["f16", "tf32"])
+def test_config_neighbours_change_one_searched_axis(mode):
+  import dataclasses
+
+  from benchmarks.tune import _LAUNCH_AXES, config_neighbours
+  config = _table_config(256, mode)
+  neighbours = config_neighbours(config, 256, sixteen_bit=mode == "f16")
+  assert len(set(neighbours)) == len(neighbours) > 10
+  flags = {"cast_inputs", "cast_weights"} if mode == "f16" else {"k_major_weight_grads",
+                                                                   "k_major_weights"}
+  for other in neighbours:
+    changed = [(role, axis) for role in _LAUNCH_AXES
+               for axis, value in dataclasses.asdict(getattr(other, role)).items()
+               if getattr(getattr(config, role), axis) != value]
+    flipped = [f for f in flags if getattr(other, f) != getattr(config, f)]
+    assert len(changed) + len(flipped) == 1, other
+    assert all(axis in _LAUNCH_AXES[role] for role, axis in changed), changed
+
+
+def test_inspect_kernels_counts_instructions_per_ptx_entry():
+  from benchmarks.inspect_kernels import count_instructions, kernels_in_ptx
+  ptx = """
+.visible .entry mlp_backward_1(
+  cp.async.cg.shared.global [%r1], [%rd1], 16;
+  wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {...};
+  wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {...};
+  st.global.v4.f32 [%rd2], {%f1, %f2, %f3, %f4};
+}
+.visible .entry other(
+  mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {...};
+  ld.global.nc.v4.f32 {%f1, %f2, %f3, %f4}, [%rd3];
+}
+"""
+  kernels = kernels_in_ptx(ptx)
+  assert list(kernels) == ["mlp_backward_1", "other"]
+  first, second = (count_instructions(kernels[k]) for k in kernels)
+  assert (first["wgmma"], first["cp.async"], first["st.global.v4"], first["mma.sync"]) == (2, 1, 1, 0)
+  assert (second["mma.sync"], second["ld.global.v4"], second["wgmma"]) == (1, 1, 0)
