@@ -1,14 +1,19 @@
-"""Sweeps tile configurations of the three Triton launches, one launch at a time.
+"""Searches tile configurations of the Triton backward on the GPU.
 
     python -m benchmarks.tune --seq-lens 64 256 1024 --modes tf32 f16 --out DIR
+    python -m benchmarks.tune --search-configs --seq-lens 64 128 --modes f16 --rounds 5
+    python -m benchmarks.tune --variants default cast_inputs weight_grads.block_k=32
 
-For each S, mode and role (pre_activation, weight_grads, input_grad) it
-compiles every candidate `TileConfig` in parallel, then times each with CUPTI
-on a cold L2 (benchmarks/timing.py) and prints the best. The winners feed the
-heuristics in `vision_mlp_bwd/backends/triton/config.py`; the log goes to
-`benchmarks/NOTES.md`. Each launch is timed on fp32 activations (16-bit modes
-cast inside the kernel); the table rows that set `cast_inputs` feed the
-kernels 16-bit operands instead, which `--variants` times as a whole.
+Without a flag, for each S, mode and role (pre_activation, weight_grads,
+input_grad) it compiles every candidate `TileConfig` in parallel, then times
+each launch alone with CUPTI on a cold L2 (benchmarks/timing.py) and prints
+the best; `--start` searches around an earlier sweep's winners instead.
+Each launch is timed on fp32 activations (16-bit modes cast inside the
+kernel). `--search-configs` searches whole-backward `Config`s (the grouped
+launches share warps and pipeline depth, so products tuned alone are not the
+best pair); `--variants` times named or overridden Configs beside XLA. The
+winners feed the tables in `vision_mlp_bwd/backends/triton/config.py`; the
+log goes to `benchmarks/NOTES.md`.
 """
 
 from __future__ import annotations
@@ -65,7 +70,6 @@ _AXES = {
     "split_k": (1, 2, 4, 8, 16),
     "num_warps": (2, 4, 8),
     "num_stages": (2, 3, 4, 5, 6),
-    "tiles_per_program": (1, 2, 4, 8),
 }
 
 

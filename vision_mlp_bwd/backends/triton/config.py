@@ -23,7 +23,8 @@ class TileConfig:
   num_warps: int = 4
   num_stages: int = 3
   # Output tiles (consecutive along N) one program computes in turn, so its
-  # stores of one tile overlap the loads of the next.
+  # stores of one tile overlap the loads of the next. Measured slower on the
+  # H200 at S <= 256 (benchmarks/NOTES.md, section 8), hence 1 everywhere.
   tiles_per_program: int = 1
 
   def __post_init__(self):
