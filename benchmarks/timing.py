@@ -5,7 +5,8 @@
 rewritten (a separate, untimed program), then CUPTI records that one call's
 kernels; a sample is the sum of their durations (the kernels of one call run
 back to back on one stream, so this is first start to last end minus launch
-gaps). CUPTI is driven directly through the extension that
+gaps). The median of each kernel's own duration is kept too, to show where a
+call's time goes. CUPTI is driven directly through the extension that
 `jax.experimental.mosaic.gpu.profiler.measure` uses, because `measure` runs an
 extra untimed call before each timed one, which would refill the L2 after the
 flush.
@@ -32,12 +33,14 @@ class Timing:
   p90_us: float
   kernels: int                      # kernels launched by one call (0: not known, wall clock)
   kernel_names: tuple[str, ...] = ()
+  kernel_median_us: tuple[float, ...] = ()   # per kernel, in launch order (CUPTI only)
 
   @classmethod
-  def from_samples(cls, samples_us, kernels=0, kernel_names=()):
+  def from_samples(cls, samples_us, kernels=0, kernel_names=(), kernel_samples_us=()):
     s = np.asarray(samples_us, np.float64)
+    per_kernel = tuple(float(np.median(k)) for k in kernel_samples_us)
     return cls(float(np.median(s)), float(np.percentile(s, 10)), float(np.percentile(s, 90)),
-               kernels, tuple(kernel_names))
+               kernels, tuple(kernel_names), per_kernel)
 
 
 def l2_bytes() -> int:
@@ -74,7 +77,7 @@ def device_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing
   buffer = jnp.zeros((2 * l2_bytes() // 4,), jnp.float32)
   for _ in range(warmup):
     jax.block_until_ready(fn(*args))
-  samples, per_kernel = [], []
+  samples, per_kernel, kernel_samples = [], [], []
   for i in range(iterations):
     buffer = jax.block_until_ready(_flush(buffer))
     cupti_start()
@@ -83,7 +86,11 @@ def device_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing
     finally:
       per_kernel = cupti_stop(i == iterations - 1) or []   # detach CUPTI after the last call
     samples.append(1e3 * sum(ms for _, ms in per_kernel))
-  return Timing.from_samples(samples, len(per_kernel), [name for name, _ in per_kernel])
+    kernel_samples.append([1e3 * ms for _, ms in per_kernel])
+  if len({len(k) for k in kernel_samples}) != 1:  # a call whose kernels varied: no per-kernel split
+    kernel_samples = [[]]
+  return Timing.from_samples(samples, len(per_kernel), [name for name, _ in per_kernel],
+                             list(zip(*kernel_samples)))
 
 
 def wall_times_us(fn, *args, warmup: int = 10, iterations: int = 50) -> Timing:

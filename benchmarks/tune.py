@@ -220,15 +220,19 @@ def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path):
       ok = {c: t for c, t in timed.items() if t is not None}
       best = min(ok, key=ok.get)
       frontier = config_neighbours(best, s, mode.operand_dtype is not None)
-    final = {name: device_times_us(jax.jit(fn), *inputs, iterations=3 * iterations).median_us
-             for name, fn in (("table", run(table)), ("best", run(best)),
-                              ("xla", functools.partial(reference.mlp_backward, precision=mode)))}
+    timings = {name: device_times_us(jax.jit(fn), *inputs, iterations=3 * iterations)
+               for name, fn in (("table", run(table)), ("best", run(best)),
+                                ("xla", functools.partial(reference.mlp_backward, precision=mode)))}
+    final = {name: t.median_us for name, t in timings.items()}
+    per_kernel = {name: list(zip(t.kernel_names, t.kernel_median_us)) for name, t in timings.items()}
     verdict = correctness.gate(run(best)(*inputs), correctness.reference_outputs(inputs), s,
                                "default" if mode == DotMode.TF32 else mode_name)
     print(f"S={s:5d} {mode_name:5s} table {final['table']:6.1f} best {final['best']:6.1f} "
           f"xla {final['xla']:6.1f} ({final['xla'] / final['best']:.2f}x, {len(timed)} timed, "
           f"gate {'PASS' if verdict.passed else 'FAIL ' + verdict.reason}) {best}", flush=True)
-    rows.append(dict(seq_len=s, mode=mode_name, us=final, passed=verdict.passed,
+    print("  best, per kernel: " + ", ".join(f"{n} {us:.1f}" for n, us in per_kernel["best"]))
+    rows.append(dict(seq_len=s, mode=mode_name, us=final, per_kernel_us=per_kernel,
+                     passed=verdict.passed,
                      best=dataclasses.asdict(best), table=dataclasses.asdict(table),
                      timed=[dict(config=dataclasses.asdict(c), us=t) for c, t in timed.items()]))
     with open(out_path, "w") as f:   # after every case, so a cut-off run keeps what it has

@@ -133,13 +133,16 @@ def test_device_timing_loop_with_a_fake_cupti(monkeypatch):
   calls = []
   def start():
     calls.append("start")
+  gemm_ms = iter([0.010, 0.012, 0.020])
   def stop(finalize):
     calls.append(("stop", finalize))
-    return [("gemm", 0.010), ("epilogue", 0.005)]
+    return [("gemm", next(gemm_ms)), ("epilogue", 0.005)]
   monkeypatch.setattr(timing, "_cupti", lambda: (start, stop))
   monkeypatch.setattr(timing, "l2_bytes", lambda: 1 << 12)
   t = timing.device_times_us(lambda x: x + 1, jnp.ones(4), warmup=2, iterations=3)
-  assert (t.median_us, t.kernels, t.kernel_names) == (pytest.approx(15.0), 2, ("gemm", "epilogue"))
+  assert (t.median_us, t.kernels, t.kernel_names) == (pytest.approx(17.0), 2, ("gemm", "epilogue"))
+  assert t.kernel_median_us == pytest.approx((12.0, 5.0))
+  assert t.p10_us < t.median_us < t.p90_us
   assert calls == ["start", ("stop", False), "start", ("stop", False), "start", ("stop", True)]
 
 
