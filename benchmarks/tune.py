@@ -184,7 +184,7 @@ def config_neighbours(config, s, sixteen_bit):
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
-  flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
+  flags = ("cast_inputs", "cast_weights", "fused_casts") if sixteen_bit else (
       "k_major_weight_grads", "k_major_weights")
   for flag in flags:
     out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))

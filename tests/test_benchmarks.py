@@ -250,7 +250,7 @@ def test_config_neighbours_change_one_searched_axis(mode):
   config = _table_config(256, mode)
   neighbours = config_neighbours(config, 256, sixteen_bit=mode == "f16")
   assert len(set(neighbours)) == len(neighbours) > 10
-  flags = {"cast_inputs", "cast_weights"} if mode == "f16" else {"k_major_weight_grads",
+  flags = {"cast_inputs", "cast_weights", "fused_casts"} if mode == "f16" else {"k_major_weight_grads",
                                                                    "k_major_weights"}
   for other in neighbours:
     changed = [(role, axis) for role in _LAUNCH_AXES

@@ -108,6 +108,25 @@ def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, spl
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_casts_ride_along_in_a_launch_and_write_every_element(dtype):
+  key = helpers.fresh_key()
+  x = jax.random.normal(key, (7, 37)) * 100           # 259 elements: a ragged last block
+  y = jax.random.normal(jax.random.fold_in(key, 1), (5, 3))
+  a = jax.random.normal(jax.random.fold_in(key, 2), (20, 24))
+  b = jax.random.normal(jax.random.fold_in(key, 3), (24, 36))
+  jobs = [kernels.Cast(x.shape, jnp.dtype(dtype), block=64), kernels.Cast(y.shape, jnp.dtype(dtype), block=64),
+          kernels.Product(20, 36, 24, TileConfig(16, 16, 16), jnp.dtype(jnp.float32))]
+  poisoned = jnp.full((x.size,), jnp.nan, dtype)
+  cast_x, cast_y, product = kernels.grouped_launch(jobs, [(x,), (y,), (a, b)], mode=DotMode.F32,
+                                                   out=poisoned, interpret=True)
+  for cast, source in ((cast_x, x), (cast_y, y)):
+    assert cast.shape == source.shape and cast.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(cast), np.asarray(source.astype(dtype)))
+  np.testing.assert_allclose(product, np.asarray(a, np.float64) @ np.asarray(b, np.float64),
+                             rtol=1e-5, atol=1e-4)
+
+
 def test_gelu_epilogue_matches_autodiff_of_gelu():
   x = jax.random.normal(helpers.fresh_key(), (20, 36)) * 3
   ones = jnp.eye(20)
@@ -119,7 +138,9 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
 
 @pytest.mark.parametrize("variant", [
     dict(group_launches=False), dict(k_major_weight_grads=True, k_major_weights=True),
-    dict(cast_inputs=True, cast_weights=True, k_major_weights=True)], ids=str)
+    dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
+    dict(cast_inputs=True, fused_casts=True),
+    dict(cast_inputs=True, fused_casts=True, group_launches=False)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem
@@ -132,6 +153,12 @@ def test_config_variants_compute_the_same_gradients(variant):
                                    config=dataclasses.replace(config, **variant), interpret=True)
   if variant == dict(group_launches=False):
     for a, b in zip(base, varied):  # the same tiles in the same order: bit for bit
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  if variant.get("fused_casts"):  # Pallas rounds to f16 as XLA's convert does: bit for bit
+    xla_casts = triton_backend.backward(
+        *inputs, problem=problem, config=dataclasses.replace(config, cast_inputs=True),
+        interpret=True)
+    for a, b in zip(xla_casts, varied):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]
   tolerance = 2e-3 if mode == DotMode.F16 else 1e-5

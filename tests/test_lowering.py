@@ -67,6 +67,18 @@ def test_config_variants_lower(variant, mode):
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
 
 
+@pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=lambda m: m.value)
+def test_fused_casts_lower_as_one_launch_instead_of_three_converts(mode):
+  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = dataclasses.replace(triton_backend.default_config(problem), cast_inputs=True,
+                               fused_casts=True)
+  fused = lower_for_cuda(problem, config=config)
+  in_xla = lower_for_cuda(problem, config=dataclasses.replace(config, fused_casts=False))
+  assert (fused.count(TRITON_CALL), in_xla.count(TRITON_CALL)) == (3, 2)
+  # the three activation casts leave XLA (where each is a kernel of its own)
+  assert (fused.count("stablehlo.convert"), in_xla.count("stablehlo.convert")) == (0, 3)
+
+
 def test_several_tiles_per_program_lower():
   problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
   config = triton_backend.default_config(problem)

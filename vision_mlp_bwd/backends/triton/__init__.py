@@ -6,6 +6,9 @@ grad_output.T @ gelu_output` (with `grad_fc2_bias` summed from the same tiles).
 Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 `grad_fc1_weight = grad_fc1_output.T @ hidden_state` (with `grad_fc1_bias`).
 `Config.group_launches=False` runs the four products as four launches.
+16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
+XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
+for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 
 On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 """
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
-from vision_mlp_bwd.backends.triton.kernels import Product, grouped_matmul
+from vision_mlp_bwd.backends.triton.kernels import Cast, Product, grouped_launch
 from vision_mlp_bwd.problem import Problem
 
 __all__ = ["BACKEND", "Config", "TileConfig", "backward", "default_config", "interpret_config"]
@@ -43,9 +46,17 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   s, h, i = problem.tokens, problem.hidden, problem.intermediate
   operand_dtype = problem.mode.operand_dtype
   out_dtype = problem.dtype  # every input has it, so every gradient does
+  run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
+  cast_hidden_state = []   # a job of launch 1, when the casts run in Pallas
   if operand_dtype is not None and config.cast_inputs:
-    grad_output, hidden_state, gelu_output = (
-        x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
+    if config.fused_casts:
+      grad_output, gelu_output = run(
+          [Cast(grad_output.shape, operand_dtype), Cast(gelu_output.shape, operand_dtype)],
+          [(grad_output,), (gelu_output,)], name="mlp_backward_casts")
+      cast_hidden_state = [(Cast(hidden_state.shape, operand_dtype), (hidden_state,))]
+    else:
+      grad_output, hidden_state, gelu_output = (
+          x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
   if operand_dtype is not None and config.cast_weights:
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
@@ -64,20 +75,21 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
               (g.T, z.T))
     return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
-  run = functools.partial(grouped_matmul, mode=problem.mode, interpret=interpret)
-
   def launch(jobs, name):
-    """Runs (product, operands) pairs grouped in one launch, or one launch each."""
+    """Runs (job, operands) pairs grouped in one launch, or one launch each."""
     if config.group_launches:
       return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
     return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
 
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-  grad_pre, (grad_fc2_weight, grad_fc2_bias) = launch([
+  grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
       (Product(s, i, h, config.pre_activation, pre_dtype, fuse_gelu=True, **by_weight),
        (grad_output, fc2_weight, fc1_output)),
       weight_grad(grad_output, gelu_output),
+      *cast_hidden_state,
   ], "mlp_backward_1")
+  if cast:
+    [hidden_state] = cast
   grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
       (Product(s, h, i, config.input_grad, out_dtype, **by_weight), (grad_pre, fc1_weight)),
       weight_grad(grad_pre, hidden_state),

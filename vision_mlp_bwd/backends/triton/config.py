@@ -55,6 +55,10 @@ class Config:
   # kernels multiply 16-bit tiles they need not convert.
   cast_inputs: bool = False
   cast_weights: bool = False
+  # With cast_inputs: cast in Pallas jobs instead of XLA converts (a kernel
+  # each): grad_output and gelu_output in one launch before the first,
+  # hidden_state (needed only by the second) inside the first launch.
+  fused_casts: bool = False
   # The weight-gradient products read K-contiguous transposed copies of their
   # operands, the layout fp32 tensor-core products want.
   k_major_weight_grads: bool = False

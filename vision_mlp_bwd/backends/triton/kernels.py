@@ -12,10 +12,12 @@ fusions:
   K, which is a bias gradient when `A` is `grad_output` or the pre-GELU
   gradient, read here anyway.
 
-`grouped_matmul` runs several independent products in one launch: the 1-D
-grid is the concatenation of their programs, each program runs the body of
-the product it belongs to. At small S every product alone fills the GPU
-poorly; grouped, their programs overlap.
+`grouped_launch` runs several independent jobs in one launch: the 1-D grid
+is the concatenation of their programs, each program runs the body of the
+job it belongs to. At small S every product alone fills the GPU poorly;
+grouped, their programs overlap. Besides products, a job can be a `Cast` of
+an input to a 16-bit operand dtype, so such casts ride along in a launch
+instead of taking a kernel each.
 
 Every load and store is masked, so any M, N, K runs without reading or writing
 out of bounds. Reductions never use atomics: a split contraction writes one
@@ -30,6 +32,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -77,6 +80,29 @@ class Product:
   def num_inputs(self) -> int:
     return 3 if self.fuse_gelu else 2
 
+  @property
+  def num_outputs(self) -> int:
+    return 1 + self.row_sums
+
+  def check(self, operands):
+    a, b = operands[0], operands[1]
+    assert a.shape == ((self.k, self.m) if self.transpose_a else (self.m, self.k)), (self, a.shape)
+    assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
+    assert len(operands) == self.num_inputs, self
+    assert not (self.fuse_gelu and self.tile.split_k > 1), self
+
+  def run(self, program, in_refs, out_refs, mode: DotMode):
+    _product_program(self, program, in_refs, out_refs, mode)
+
+  def finish(self, outs):
+    """The launch's outputs of this product -> the product (and row sums)."""
+    product, split = outs[0], self.tile.split_k
+    if split > 1:
+      product = product.reshape(split, self.m, self.n).sum(axis=0).astype(self.out_dtype)
+    if self.row_sums:
+      return product, outs[1].reshape(split, self.m).sum(axis=0)
+    return product
+
   def out_shapes(self, like):
     split = self.tile.split_k
     dtype = jnp.float32 if split > 1 else self.out_dtype
@@ -84,6 +110,41 @@ class Product:
     if self.row_sums:
       shapes.append(_out_struct((split * self.m,), jnp.float32, like))
     return shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+  """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program."""
+
+  shape: tuple[int, ...]
+  out_dtype: jnp.dtype
+  block: int = 4096
+
+  num_inputs = 1
+  num_outputs = 1
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.shape))
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.size, self.block)
+
+  def check(self, operands):
+    assert len(operands) == 1 and operands[0].shape == (self.size,), (self, operands)
+
+  def out_shapes(self, like):
+    return [_out_struct((self.size,), self.out_dtype, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode):
+    del mode
+    indices, mask = _span(program, self.block, self.size)
+    x = plgpu.load(in_refs[0].at[indices], mask=mask, other=0.0)
+    plgpu.store(out_refs[0].at[indices], x.astype(out_refs[0].dtype), mask=mask)
+
+  def finish(self, outs):
+    return outs[0].reshape(self.shape)
 
 
 def _out_struct(shape, dtype, like):
@@ -163,83 +224,73 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       plgpu.store(row_sum_ref[0].at[out_rows], sums, mask=row_mask)
 
 
-def _grouped_kernel(*refs, products, mode, aliased):
-  n_in = sum(p.num_inputs for p in products)
+def _grouped_kernel(*refs, jobs, mode, aliased):
+  n_in = sum(job.num_inputs for job in jobs)
   in_refs, out_refs = refs[:n_in], refs[n_in + aliased:]
   pid = pl.program_id(0)
   first = 0
-  for p in products:
-    ins, in_refs = in_refs[:p.num_inputs], in_refs[p.num_inputs:]
-    n_out = 1 + p.row_sums
-    outs, out_refs = out_refs[:n_out], out_refs[n_out:]
-    if len(products) == 1:
-      _product_program(p, pid, ins, outs, mode)
+  for job in jobs:
+    ins, in_refs = in_refs[:job.num_inputs], in_refs[job.num_inputs:]
+    outs, out_refs = out_refs[:job.num_outputs], out_refs[job.num_outputs:]
+    if len(jobs) == 1:
+      job.run(pid, ins, outs, mode)
     else:
-      @pl.when((pid >= first) & (pid < first + p.programs))
-      def _(p=p, ins=ins, outs=outs, first=first):
-        _product_program(p, pid - first, ins, outs, mode)
-    first += p.programs
+      @pl.when((pid >= first) & (pid < first + job.programs))
+      def _(job=job, ins=ins, outs=outs, first=first):
+        job.run(pid - first, ins, outs, mode)
+    first += job.programs
 
 
-def grouped_matmul(products, operands, *, mode: DotMode, interpret=False, out=None,
-                   name="grouped_matmul"):
-  """Runs `products` (with `operands[i]` = (a, b[, x]) for each) in one launch.
+def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
+                   name="grouped_launch"):
+  """Runs `jobs` (`Product`s and `Cast`s, with `operands[i]` for each) in one launch.
 
-  Returns, per product, the product `[M, N]` in its `out_dtype` (split
-  contractions summed in fp32 first), or `(product, row_sums [M])` where it
-  asks for row sums. `out`, if given, is the buffer the first product is
-  written into (`[split_k * M, N]`, aliased); tests pass a NaN-filled one to
-  prove that every element is written. Warps and pipeline depth are the first
-  product's.
+  Returns, per job: for a product, the product `[M, N]` in its `out_dtype`
+  (split contractions summed in fp32 first), or `(product, row_sums [M])`
+  where it asks for row sums; for a cast, the cast array. `out`, if given, is
+  the buffer the first job writes its first output into (aliased); tests pass
+  a NaN-filled one to prove that every element is written. Warps and
+  pipeline depth are the first product's.
   """
-  for p, ops in zip(products, operands, strict=True):
-    a, b = ops[0], ops[1]
-    assert a.shape == ((p.k, p.m) if p.transpose_a else (p.m, p.k)), (p, a.shape)
-    assert b.shape == ((p.n, p.k) if p.transpose_b else (p.k, p.n)), (p, b.shape)
-    assert len(ops) == p.num_inputs, p
-    assert not (p.fuse_gelu and p.tile.split_k > 1), p
+  operands = [(ops[0].reshape(-1),) if isinstance(job, Cast) else tuple(ops)
+              for job, ops in zip(jobs, operands, strict=True)]
+  for job, ops in zip(jobs, operands):
+    job.check(ops)
   from vision_mlp_bwd.sharding import match_varying_axes  # sharding imports this module
   inputs = [x for ops in operands for x in ops] + ([out] if out is not None else [])
   inputs = list(match_varying_axes(*inputs))
   if out is not None:
     *inputs, out = inputs
-  out_shapes = [s for p in products for s in p.out_shapes(like=inputs[0])]
+  out_shapes = [s for job in jobs for s in job.out_shapes(like=inputs[0])]
   if out is not None:
     assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
   _filter_triton_deprecation()
-  lead = products[0].tile
+  tiles = [job.tile for job in jobs if isinstance(job, Product)]
+  warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (4, 1)
   outs = pl.pallas_call(
-      functools.partial(_grouped_kernel, products=tuple(products), mode=mode,
-                        aliased=out is not None),
+      functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None),
       out_shape=out_shapes,
-      grid=(sum(p.programs for p in products),),
-      compiler_params=plgpu.CompilerParams(num_warps=lead.num_warps, num_stages=lead.num_stages),
+      grid=(sum(job.programs for job in jobs),),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       input_output_aliases={len(inputs): 0} if out is not None else {},
       interpret=interpret,
       name=name,
   )(*inputs, *([out] if out is not None else []))
   results = []
-  for p in products:
-    product, outs = outs[0], outs[1:]
-    split = p.tile.split_k
-    if split > 1:
-      product = product.reshape(split, p.m, p.n).sum(axis=0).astype(p.out_dtype)
-    if p.row_sums:
-      results.append((product, outs[0].reshape(split, p.m).sum(axis=0)))
-      outs = outs[1:]
-    else:
-      results.append(product)
+  for job in jobs:
+    results.append(job.finish(outs[:job.num_outputs]))
+    outs = outs[job.num_outputs:]
   return results
 
 
 def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_a=False,
                  gelu_input=None, row_sums=False, out=None, interpret=False,
                  name="tiled_matmul"):
-  """One product in its own launch; see `Product` and `grouped_matmul`."""
+  """One product in its own launch; see `Product` and `grouped_launch`."""
   k, m = a.shape if transpose_a else a.shape[::-1]
   product = Product(m, b.shape[1], k, tile, jnp.dtype(out_dtype), transpose_a=transpose_a,
                     fuse_gelu=gelu_input is not None, row_sums=row_sums)
   operands = (a, b) if gelu_input is None else (a, b, gelu_input)
-  [result] = grouped_matmul([product], [operands], mode=mode, interpret=interpret, out=out,
+  [result] = grouped_launch([product], [operands], mode=mode, interpret=interpret, out=out,
                             name=name)
   return result
