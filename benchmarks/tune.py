@@ -184,8 +184,10 @@ def config_neighbours(config, s, sixteen_bit):
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
-  flags = ("cast_inputs", "cast_weights", "fused_casts") if sixteen_bit else (
+  flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
       "k_major_weight_grads", "k_major_weights")
+  if sixteen_bit and config.cast_inputs:   # fused_casts changes nothing without cast_inputs
+    flags += ("fused_casts",)
   for flag in flags:
     out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
   return out
@@ -209,24 +211,26 @@ def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path):
     inputs = make_inputs(jax.random.key(s), s, h, i)
     run = lambda c: jax.jit(functools.partial(triton_backend.backward, problem=problem, config=c))
     table = default_config(problem)
-    timed, frontier = {}, [table]
+    timed, executables, frontier = {}, {}, [table]
     for _ in range(rounds):
       frontier = [c for c in dict.fromkeys(frontier) if c not in timed]
       with concurrent.futures.ThreadPoolExecutor(12) as pool:
         compiled = list(pool.map(lambda c: _compile(run(c), inputs)[0], frontier))
       for config, fn in zip(frontier, compiled):
+        executables[config] = fn
         timed[config] = (None if fn is None else
                          device_times_us(fn, *inputs, warmup=3, iterations=iterations).median_us)
       ok = {c: t for c, t in timed.items() if t is not None}
       best = min(ok, key=ok.get)
       frontier = config_neighbours(best, s, mode.operand_dtype is not None)
-    timings = {name: device_times_us(jax.jit(fn), *inputs, iterations=3 * iterations)
-               for name, fn in (("table", run(table)), ("best", run(best)),
-                                ("xla", functools.partial(reference.mlp_backward, precision=mode)))}
+    xla = jax.jit(functools.partial(reference.mlp_backward, precision=mode))
+    timings = {name: device_times_us(fn, *inputs, iterations=3 * iterations)
+               for name, fn in (("table", executables[table]), ("best", executables[best]),
+                                ("xla", xla))}
     final = {name: t.median_us for name, t in timings.items()}
     per_kernel = {name: list(zip(t.kernel_names, t.kernel_median_us)) for name, t in timings.items()}
-    verdict = correctness.gate(run(best)(*inputs), correctness.reference_outputs(inputs), s,
-                               "default" if mode == DotMode.TF32 else mode_name)
+    verdict = correctness.gate(executables[best](*inputs), correctness.reference_outputs(inputs),
+                               s, "default" if mode == DotMode.TF32 else mode_name)
     print(f"S={s:5d} {mode_name:5s} table {final['table']:6.1f} best {final['best']:6.1f} "
           f"xla {final['xla']:6.1f} ({final['xla'] / final['best']:.2f}x, {len(timed)} timed, "
           f"gate {'PASS' if verdict.passed else 'FAIL ' + verdict.reason}) {best}", flush=True)

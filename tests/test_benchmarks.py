@@ -250,8 +250,8 @@ def test_config_neighbours_change_one_searched_axis(mode):
   config = _table_config(256, mode)
   neighbours = config_neighbours(config, 256, sixteen_bit=mode == "f16")
   assert len(set(neighbours)) == len(neighbours) > 10
-  flags = {"cast_inputs", "cast_weights", "fused_casts"} if mode == "f16" else {"k_major_weight_grads",
-                                                                   "k_major_weights"}
+  flags = ({"cast_inputs", "cast_weights", "fused_casts"} if mode == "f16"
+           else {"k_major_weight_grads", "k_major_weights"})
   for other in neighbours:
     changed = [(role, axis) for role in _LAUNCH_AXES
                for axis, value in dataclasses.asdict(getattr(other, role)).items()
@@ -259,6 +259,11 @@ def test_config_neighbours_change_one_searched_axis(mode):
     flipped = [f for f in flags if getattr(other, f) != getattr(config, f)]
     assert len(changed) + len(flipped) == 1, other
     assert all(axis in _LAUNCH_AXES[role] for role, axis in changed), changed
+  if mode == "f16":  # the fused-cast flag is searched only where inputs are cast at all
+    assert any(other.fused_casts for other in neighbours)
+    uncast = dataclasses.replace(config, cast_inputs=False)
+    assert not any(other.fused_casts
+                   for other in config_neighbours(uncast, 256, sixteen_bit=True))
 
 
 def test_inspect_kernels_counts_instructions_per_ptx_entry():
