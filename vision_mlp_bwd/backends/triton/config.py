@@ -58,8 +58,7 @@ class Config:
   # With cast_inputs: cast in Pallas jobs instead of XLA converts (a kernel
   # each): grad_output and gelu_output in one launch before the first,
   # hidden_state (needed only by the second) inside the first launch.
-  # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12),
-  # but off in the tables until the GPU tests and the benchmark have run with it.
+  # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
   # The weight-gradient products read K-contiguous transposed copies of their
   # operands, the layout fp32 tensor-core products want.
@@ -80,12 +79,14 @@ C = Config
 # benchmarks/NOTES.md tells the story. Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
-    (128, C(T(32, 64, 64), T(64, 128, 32), T(128, 32, 64, split_k=4), cast_inputs=True)),
+    (128, C(T(32, 64, 64), T(64, 128, 32), T(128, 32, 64, split_k=4), cast_inputs=True,
+            fused_casts=True)),
     (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
-            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True)),         # S=131
-    (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True)),
+            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True)),  # S=131
+    (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
+            fused_casts=True)),
     (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
-            cast_inputs=True)),
+            cast_inputs=True, fused_casts=True)),
     (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
              cast_inputs=True, cast_weights=True)),
     (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
