@@ -73,13 +73,18 @@ _AXES = {
 }
 
 
-def neighbours(role, tile, s):
-  """Tiles one step away from `tile` along one axis (coordinate search)."""
+def neighbours(role, tile, s, weights_on_left=False):
+  """Tiles one step away from `tile` along one axis (coordinate search).
+
+  The S side of a product with a weight (block_m, or block_n when the
+  product is computed transposed, `Config.weights_on_left`) stays <= S.
+  """
   out = []
+  s_axis = None if role == "weight_grads" else "block_n" if weights_on_left else "block_m"
   for axis, values in _AXES.items():
     if axis == "split_k" and role == "pre_activation":
       continue
-    if axis == "block_m" and role != "weight_grads":
+    if axis == s_axis:
       values = tuple(v for v in values if v <= _pow2_at_least(s))
     j = values.index(getattr(tile, axis)) if getattr(tile, axis) in values else None
     if j is None:
@@ -179,7 +184,7 @@ def config_neighbours(config, s, sixteen_bit):
   """Configs one step from `config` along one axis of one role, or one layout flag flipped."""
   out = []
   for role, axes in _LAUNCH_AXES.items():
-    for tile in neighbours(role, getattr(config, role), s):
+    for tile in neighbours(role, getattr(config, role), s, config.weights_on_left):
       changed = [a for a in axes if getattr(tile, a) != getattr(getattr(config, role), a)]
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
@@ -190,15 +195,25 @@ def config_neighbours(config, s, sixteen_bit):
     flags += ("fused_casts",)
   for flag in flags:
     out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
+  if not sixteen_bit:  # the same tiles, transposed along with their products
+    out.append(dataclasses.replace(
+        config, weights_on_left=not config.weights_on_left,
+        **{role: _transposed(getattr(config, role)) for role in ("pre_activation", "input_grad")}))
   return out
 
 
-def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path):
+def _transposed(tile):
+  return dataclasses.replace(tile, block_m=tile.block_n, block_n=tile.block_m)
+
+
+def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path, seeds=()):
   """Coordinate search over whole-backward Configs, starting at the table's.
 
-  Each round times every neighbour of the best Config so far (compiled in
-  parallel, timed in turn); the winner is then re-timed beside the table's
-  Config and XLA with more calls, and checked against the SOL gate.
+  The first round times the table's Config and the `seeds` (variants of it,
+  see `variant_config`); each later round times every neighbour of the best
+  Config so far (compiled in parallel, timed in turn). The winner is then
+  re-timed beside the table's Config and XLA with more calls, and checked
+  against the SOL gate.
   """
   from benchmarks import correctness
   from benchmarks.cases import make_inputs
@@ -211,8 +226,9 @@ def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path):
     inputs = make_inputs(jax.random.key(s), s, h, i)
     run = lambda c: jax.jit(functools.partial(triton_backend.backward, problem=problem, config=c))
     table = default_config(problem)
-    timed, executables, frontier = {}, {}, [table]
-    for _ in range(rounds):
+    timed, executables = {}, {}
+    frontier = [table, *(variant_config(table, seed) for seed in seeds)]
+    for _ in range(rounds + bool(seeds)):
       frontier = [c for c in dict.fromkeys(frontier) if c not in timed]
       with concurrent.futures.ThreadPoolExecutor(12) as pool:
         compiled = list(pool.map(lambda c: _compile(run(c), inputs)[0], frontier))
@@ -261,12 +277,15 @@ def main():
                            f"names of {sorted(VARIANTS)} or overrides, see variant_config")
   parser.add_argument("--search-configs", action="store_true",
                       help="coordinate search over whole-backward Configs instead (search.json)")
+  parser.add_argument("--seeds", nargs="+", default=(),
+                      help="with --search-configs: variants (as --variants takes them) timed "
+                           "beside the table's Config in a first round")
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
   if args.search_configs:
     search_configs(args.seq_lens, args.modes, h, i, args.rounds, args.iterations,
-                   os.path.join(args.out, "search.json"))
+                   os.path.join(args.out, "search.json"), args.seeds)
     return
   if args.variants:
     rows = compare_variants(args.seq_lens, args.modes, args.variants, h, i, args.iterations)

@@ -252,6 +252,12 @@ def test_config_neighbours_change_one_searched_axis(mode):
   assert len(set(neighbours)) == len(neighbours) > 10
   flags = ({"cast_inputs", "cast_weights", "fused_casts"} if mode == "f16"
            else {"k_major_weight_grads", "k_major_weights"})
+  if mode == "tf32":  # computing the weight products transposed transposes their tiles too
+    [left] = [other for other in neighbours if other.weights_on_left != config.weights_on_left]
+    neighbours.remove(left)
+    for role in ("pre_activation", "input_grad"):
+      tile, turned = getattr(config, role), getattr(left, role)
+      assert (turned.block_m, turned.block_n) == (tile.block_n, tile.block_m)
   for other in neighbours:
     changed = [(role, axis) for role in _LAUNCH_AXES
                for axis, value in dataclasses.asdict(getattr(other, role)).items()
@@ -260,8 +266,8 @@ def test_config_neighbours_change_one_searched_axis(mode):
     assert len(changed) + len(flipped) == 1, other
     assert all(axis in _LAUNCH_AXES[role] for role, axis in changed), changed
   if mode == "f16":  # the fused-cast flag is searched only where inputs are cast at all
-    assert any(other.fused_casts for other in neighbours)
-    uncast = dataclasses.replace(config, cast_inputs=False)
+    assert any(other.fused_casts != config.fused_casts for other in neighbours)
+    uncast = dataclasses.replace(config, cast_inputs=False, fused_casts=False)
     assert not any(other.fused_casts
                    for other in config_neighbours(uncast, 256, sixteen_bit=True))
 

@@ -19,6 +19,7 @@ import pytest
 import vision_mlp_bwd
 from vision_mlp_bwd.backends.triton import kernels
 from vision_mlp_bwd.backends.triton.config import TileConfig
+from vision_mlp_bwd import precision
 from vision_mlp_bwd.precision import DotMode
 from tests import helpers
 
@@ -108,6 +109,35 @@ def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, spl
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k):
+  m, n, k = 37, 85, 70
+  key = helpers.fresh_key()
+  a = jax.random.normal(key, (k, m))                          # stored [K, M]
+  b = jax.random.normal(jax.random.fold_in(key, 1), (n, k))   # stored [N, K]
+  product = kernels.Product(m, n, k, TileConfig(16, 32, 16, split_k=split_k), jnp.dtype(jnp.float32),
+                            transpose_a=True, transpose_b=True, store_transposed=True,
+                            row_sums=True)
+  poisoned = jnp.full((split_k * n, m), jnp.nan, jnp.float32)
+  [(stored, sums)] = kernels.grouped_launch([product], [(a, b)], mode=DotMode.F32, out=poisoned,
+                                            interpret=True)
+  op_a = np.asarray(a, np.float64).T
+  assert stored.shape == (n, m)
+  np.testing.assert_allclose(stored, (op_a @ np.asarray(b, np.float64).T).T, rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_tf32_truncation_clears_the_low_mantissa_bits_and_keeps_specials():
+  x = jnp.concatenate([jax.random.normal(helpers.fresh_key(), (1000,)) * 1e3,
+                       jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 1.0])])
+  bits = np.asarray(x).view(np.uint32)
+  truncated = np.asarray(precision.truncate_to_tf32(x))
+  np.testing.assert_array_equal(truncated.view(np.uint32), bits & np.uint32(0xFFFFE000))
+  assert np.all(np.abs(truncated[:1000] - np.asarray(x[:1000]))
+                <= np.abs(np.asarray(x[:1000])) * 2.0 ** -10)
+  assert np.isnan(truncated[-4]) and np.isposinf(truncated[-6]) and np.isneginf(truncated[-5])
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_casts_ride_along_in_a_launch_and_write_every_element(dtype):
   key = helpers.fresh_key()
@@ -140,7 +170,10 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
     dict(group_launches=False), dict(k_major_weight_grads=True, k_major_weights=True),
     dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
     dict(cast_inputs=True, fused_casts=True),
-    dict(cast_inputs=True, fused_casts=True, group_launches=False)], ids=str)
+    dict(cast_inputs=True, fused_casts=True, group_launches=False),
+    dict(weights_on_left=True), dict(weights_on_left=True, k_major_weights=True),
+    dict(weights_on_left=True, k_major_weight_grads=True, group_launches=False),
+    dict(cast_inputs=True, fused_casts=True, weights_on_left=True)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem

@@ -137,12 +137,28 @@ def _split_bf16(x):
   return hi, lo
 
 
-def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0):
+def truncate_to_tf32(x):
+  """fp32 -> fp32 with the 13 low mantissa bits cleared: what TF32 tensor cores read.
+
+  Products of truncated operands are bit for bit those of the raw ones; see
+  `kernel_dot`'s `lhs_in_registers` for why a kernel would truncate itself.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFFE000)
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
+               lhs_in_registers: bool = False):
   """A tile product inside a Pallas kernel, computed as `mode` says.
 
   `a` and `b` are 2-D tiles; the product contracts `a`'s axis `contract_a` with
   `b`'s axis `contract_b` and returns fp32. This is the only place where a
   kernel decides how to multiply, so every kernel honours `precision` alike.
+  `lhs_in_registers` (TF32 only): truncate `a` to TF32 in the kernel. The
+  value is unchanged for the tensor cores, but an operation between load and
+  dot makes Triton feed `a` to wgmma from registers, and then `a` need not be
+  K-contiguous in memory to be copied with 16-byte loads (fp32 wgmma operands
+  in shared memory must be K-major).
   """
   dims = (((contract_a,), (contract_b,)), ((), ()))
 
@@ -159,4 +175,4 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0)
     return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
   if mode == DotMode.F32:
     return dot(a, b, lax.Precision.HIGHEST)
-  return dot(a, b, lax.Precision.DEFAULT)
+  return dot(truncate_to_tf32(a) if lhs_in_registers else a, b, lax.Precision.DEFAULT)

@@ -43,7 +43,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   del fc1_bias, fc2_bias  # not read
   if config is None:
     config = interpret_config(problem) if interpret else default_config(problem)
-  s, h, i = problem.tokens, problem.hidden, problem.intermediate
   operand_dtype = problem.mode.operand_dtype
   out_dtype = problem.dtype  # every input has it, so every gradient does
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
@@ -61,18 +60,29 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
     fc1_weight, fc2_weight = fc1_weight.T, fc2_weight.T
-  by_weight = dict(transpose_b=config.k_major_weights)
   # The pre-GELU gradient is only ever a matmul operand: 16-bit modes store it
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
 
+  def by_weight(tile, dtype, x, weight, gelu_input=None):
+    """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`)."""
+    (m, k), n = x.shape, weight.shape[0 if config.k_major_weights else 1]
+    gelu = dict(fuse_gelu=gelu_input is not None)
+    extra = () if gelu_input is None else (gelu_input,)
+    if config.weights_on_left:  # the weight is the left operand of C.T, [N, S]
+      return (Product(n, m, k, tile, dtype, transpose_a=not config.k_major_weights,
+                      transpose_b=True, store_transposed=True, lhs_in_registers=True, **gelu),
+              (weight, x, *extra))
+    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **gelu),
+            (x, weight, *extra))
+
   def weight_grad(g, z):
     """`g.T @ z` over the S rows, with the column sums of `g` (a bias gradient)."""
     (k, m), n = g.shape, z.shape[1]
     if config.k_major_weight_grads:
-      return (Product(m, n, k, config.weight_grads, out_dtype, transpose_b=True, row_sums=True),
-              (g.T, z.T))
+      return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, transpose_b=True,
+                      row_sums=True, lhs_in_registers=True), (g, z.T))
     return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
   def launch(jobs, name):
@@ -83,15 +93,14 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
 
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
   grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
-      (Product(s, i, h, config.pre_activation, pre_dtype, fuse_gelu=True, **by_weight),
-       (grad_output, fc2_weight, fc1_output)),
+      by_weight(config.pre_activation, pre_dtype, grad_output, fc2_weight, fc1_output),
       weight_grad(grad_output, gelu_output),
       *cast_hidden_state,
   ], "mlp_backward_1")
   if cast:
     [hidden_state] = cast
   grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
-      (Product(s, h, i, config.input_grad, out_dtype, **by_weight), (grad_pre, fc1_weight)),
+      by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
       weight_grad(grad_pre, hidden_state),
   ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),

@@ -60,11 +60,21 @@ class Config:
   # hidden_state (needed only by the second) inside the first launch.
   # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
-  # The weight-gradient products read K-contiguous transposed copies of their
-  # operands, the layout fp32 tensor-core products want.
+  # fp32 wgmma operands must be K-major in shared memory; an operand that is
+  # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
+  # can come from registers instead (`Product.lhs_in_registers`), so only the
+  # right one needs K-contiguous rows. The flags below arrange that in 32-bit
+  # modes (16-bit tiles transpose for free).
+  # Weight gradients: the right operand (gelu_output, hidden_state) is read
+  # from a transposed copy, the left one through registers.
   k_major_weight_grads: bool = False
-  # The other two products read transposed copies of the weights (K-contiguous).
+  # The two products with a weight read transposed copies of the weights.
   k_major_weights: bool = False
+  # The two products with a weight compute their transpose, C.T = W.T @ X.T:
+  # the activation X ([S, K], K-contiguous) is the right operand, the weight
+  # the left one, through registers; no copy. Their TileConfigs then tile
+  # (I or H) x S, so block_m runs over the weight's side.
+  weights_on_left: bool = False
 
 
 T = TileConfig

@@ -2,12 +2,13 @@
 
 A `Product` is one `C = op(A) @ op(B)`, where `op(A)` is `A` (`[M, K]`) or
 `A.T` (`A` stored `[K, M]`) and `op(B)` is `B` (`[K, N]`) or `B.T` (`B` stored
-`[N, K]`, K-contiguous, as fp32 tensor-core products want), with two optional
+`[N, K]`, K-contiguous, as fp32 tensor-core products want), stored as `C`
+(`[M, N]`) or as `C.T` (`store_transposed`, `[N, M]`), with two optional
 fusions:
 
 * `fuse_gelu`: the epilogue multiplies the tile by `gelu_tanh_grad` of the
-  matching tile of a third input `[M, N]`, so the pre-GELU gradient is
-  produced in one pass;
+  matching tile of a third input (laid out as the output), so the pre-GELU
+  gradient is produced in one pass;
 * `row_sums`: the programs of the first column of tiles also sum `op(A)` over
   K, which is a bias gradient when `A` is `grad_output` or the pre-GELU
   gradient, read here anyway.
@@ -61,8 +62,10 @@ class Product:
   out_dtype: jnp.dtype
   transpose_a: bool = False
   transpose_b: bool = False
+  store_transposed: bool = False
   fuse_gelu: bool = False
   row_sums: bool = False
+  lhs_in_registers: bool = False   # see precision.kernel_dot
 
   @property
   def grid(self):
@@ -70,6 +73,10 @@ class Product:
     t = self.tile
     n_blocks = pl.cdiv(self.n, t.block_n)
     return pl.cdiv(self.m, t.block_m), pl.cdiv(n_blocks, t.tiles_per_program), t.split_k
+
+  @property
+  def stored_shape(self) -> tuple[int, int]:
+    return (self.n, self.m) if self.store_transposed else (self.m, self.n)
 
   @property
   def programs(self) -> int:
@@ -98,7 +105,7 @@ class Product:
     """The launch's outputs of this product -> the product (and row sums)."""
     product, split = outs[0], self.tile.split_k
     if split > 1:
-      product = product.reshape(split, self.m, self.n).sum(axis=0).astype(self.out_dtype)
+      product = product.reshape(split, *self.stored_shape).sum(axis=0).astype(self.out_dtype)
     if self.row_sums:
       return product, outs[1].reshape(split, self.m).sum(axis=0)
     return product
@@ -106,7 +113,8 @@ class Product:
   def out_shapes(self, like):
     split = self.tile.split_k
     dtype = jnp.float32 if split > 1 else self.out_dtype
-    shapes = [_out_struct((split * self.m, self.n), dtype, like)]
+    rows, cols = self.stored_shape
+    shapes = [_out_struct((split * rows, cols), dtype, like)]
     if self.row_sums:
       shapes.append(_out_struct((split * self.m,), jnp.float32, like))
     return shapes
@@ -204,7 +212,8 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     else:
       b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
     acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
-                      contract_b=1 if p.transpose_b else 0)
+                      contract_b=1 if p.transpose_b else 0,
+                      lhs_in_registers=p.lhs_in_registers)
     if p.row_sums:
       sums += jnp.sum(a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
     return acc, sums
@@ -212,16 +221,19 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   init = (jnp.zeros((t.block_m, t.block_n), jnp.float32), jnp.zeros((t.block_m,), jnp.float32))
   acc, sums = lax.fori_loop(0, steps, step, init)
 
+  if p.store_transposed:  # the tile as stored: [bn, bm] of C.T
+    acc, rows, row_mask, cols, col_mask = acc.T, cols, col_mask, rows, row_mask
   if p.fuse_gelu:
     x = _load(x_ref[0], rows, row_mask, cols, col_mask)
     acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
-  out_rows = pid_k * p.m + rows
+  out_rows = pid_k * p.stored_shape[0] + rows
   plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
               mask=row_mask[:, None] & col_mask[None, :])
   if p.row_sums:
+    m_rows, m_mask = (cols, col_mask) if p.store_transposed else (rows, row_mask)
     @pl.when(pid_n == 0)
     def _():
-      plgpu.store(row_sum_ref[0].at[out_rows], sums, mask=row_mask)
+      plgpu.store(row_sum_ref[0].at[pid_k * p.m + m_rows], sums, mask=m_mask)
 
 
 def _grouped_kernel(*refs, jobs, mode, aliased):
