@@ -127,15 +127,20 @@ def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k):
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
 
 
-def test_tf32_truncation_clears_the_low_mantissa_bits_and_keeps_specials():
-  x = jnp.concatenate([jax.random.normal(helpers.fresh_key(), (1000,)) * 1e3,
-                       jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 1.0])])
-  bits = np.asarray(x).view(np.uint32)
-  truncated = np.asarray(precision.truncate_to_tf32(x))
-  np.testing.assert_array_equal(truncated.view(np.uint32), bits & np.uint32(0xFFFFE000))
-  assert np.all(np.abs(truncated[:1000] - np.asarray(x[:1000]))
-                <= np.abs(np.asarray(x[:1000])) * 2.0 ** -10)
-  assert np.isnan(truncated[-4]) and np.isposinf(truncated[-6]) and np.isneginf(truncated[-5])
+def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
+  key = helpers.fresh_key()
+  x = jax.random.normal(key, (2000,)) * jnp.exp2(jax.random.randint(key, (2000,), -30, 30))
+  ties = jnp.array([1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -11), 1.0 + 2.0 ** -11 + 2.0 ** -20])
+  specials = jnp.array([jnp.inf, -jnp.inf, jnp.nan, 0.0, -0.0, 3.4028235e38])
+  rounded = np.asarray(precision.round_to_tf32(jnp.concatenate([x, ties, specials])))
+  # Oracle in float64: the nearest multiple of 2^(e-10) for |v| in [2^e, 2^(e+1)), ties away.
+  v = np.asarray(x, np.float64)
+  ulp = np.exp2(np.floor(np.log2(np.abs(v))) - 10)
+  np.testing.assert_array_equal(rounded[:2000], np.sign(v) * np.floor(np.abs(v) / ulp + 0.5) * ulp)
+  np.testing.assert_array_equal(rounded[2000:2003], [1.0 + 2.0 ** -10, -(1.0 + 2.0 ** -9),
+                                                     1.0 + 2.0 ** -10])
+  assert np.isposinf(rounded[-6]) and np.isneginf(rounded[-5]) and np.isnan(rounded[-4])
+  assert rounded[-3] == 0.0 and np.signbit(rounded[-2]) and np.isposinf(rounded[-1])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
