@@ -115,9 +115,9 @@ def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k):
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m))                          # stored [K, M]
   b = jax.random.normal(jax.random.fold_in(key, 1), (n, k))   # stored [N, K]
-  product = kernels.Product(m, n, k, TileConfig(16, 32, 16, split_k=split_k), jnp.dtype(jnp.float32),
-                            transpose_a=True, transpose_b=True, store_transposed=True,
-                            row_sums=True)
+  product = kernels.Product(m, n, k, TileConfig(16, 32, 16, split_k=split_k),
+                            jnp.dtype(jnp.float32), transpose_a=True, transpose_b=True,
+                            store_transposed=True, row_sums=True)
   poisoned = jnp.full((split_k * n, m), jnp.nan, jnp.float32)
   [(stored, sums)] = kernels.grouped_launch([product], [(a, b)], mode=DotMode.F32, out=poisoned,
                                             interpret=True)

@@ -23,7 +23,9 @@ RESULTS = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
 # Oldest first: a later run of the same case (after the kernels or their tiles
 # changed) replaces the earlier one.
 RUNS = ["h200_20261129-154647.json", "h200_bf16_20261129-154757.json",
-        "h200_20261129-164332.json", "h200_bf16_20261129-164909.json"]
+        "h200_20261129-164332.json", "h200_bf16_20261129-164909.json",
+        "h200_20261129-173705.json", "h200_bf16_20261129-173951.json",
+        "h200_tf32_rounding_20261129-174805.json"]
 
 
 def measured_pairs():

@@ -9,6 +9,8 @@ Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
 for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
+In 32-bit modes the Config may change operand layouts for the tensor cores
+(`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`).
 
 On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 """
