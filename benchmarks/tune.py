@@ -190,15 +190,19 @@ def config_neighbours(config, s, sixteen_bit):
         out.append(dataclasses.replace(config, **{role: tile}))
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
   flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
-      "k_major_weight_grads", "k_major_weights")
+      "k_major_weight_grads", "k_major_weights", "xla_weight_products")
   if sixteen_bit and config.cast_inputs:   # fused_casts changes nothing without cast_inputs
     flags += ("fused_casts",)
-  for flag in flags:
-    out.append(dataclasses.replace(config, **{flag: not getattr(config, flag)}))
+  changes = [{flag: not getattr(config, flag)} for flag in flags]
   if not sixteen_bit:  # the same tiles, transposed along with their products
-    out.append(dataclasses.replace(
-        config, weights_on_left=not config.weights_on_left,
+    changes.append(dict(
+        weights_on_left=not config.weights_on_left,
         **{role: _transposed(getattr(config, role)) for role in ("pre_activation", "input_grad")}))
+  for change in changes:
+    try:
+      out.append(dataclasses.replace(config, **change))
+    except ValueError:  # flags that exclude each other
+      pass
   return out
 
 

@@ -178,7 +178,9 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
     dict(cast_inputs=True, fused_casts=True, group_launches=False),
     dict(weights_on_left=True), dict(weights_on_left=True, k_major_weights=True),
     dict(weights_on_left=True, k_major_weight_grads=True, group_launches=False),
-    dict(cast_inputs=True, fused_casts=True, weights_on_left=True)], ids=str)
+    dict(cast_inputs=True, fused_casts=True, weights_on_left=True),
+    dict(xla_weight_products=True, k_major_weight_grads=True),
+    dict(cast_inputs=True, fused_casts=True, xla_weight_products=True)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem
@@ -194,8 +196,8 @@ def test_config_variants_compute_the_same_gradients(variant):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   if variant.get("fused_casts"):  # Pallas rounds to f16 as XLA's convert does: bit for bit
     xla_casts = triton_backend.backward(
-        *inputs, problem=problem, config=dataclasses.replace(config, cast_inputs=True),
-        interpret=True)
+        *inputs, problem=problem,
+        config=dataclasses.replace(config, **{**variant, "fused_casts": False}), interpret=True)
     for a, b in zip(xla_casts, varied):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]

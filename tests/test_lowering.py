@@ -71,6 +71,23 @@ def test_config_variants_lower(variant, mode):
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
 
 
+@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
+def test_xla_weight_products_lower_to_one_launch_and_two_dots(mode):
+  problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
+                               k_major_weights=False)
+  text = lower_for_cuda(problem, config=config)
+  assert text.count(TRITON_CALL) == 1 + (config.cast_inputs and config.fused_casts)
+  assert text.count("stablehlo.dot_general") == 2
+
+
+def test_xla_weight_products_exclude_kernel_weight_layouts():
+  problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
+  with pytest.raises(ValueError, match="xla_weight_products"):
+    dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
+                        weights_on_left=True)
+
+
 @pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=lambda m: m.value)
 def test_fused_casts_lower_as_one_launch_instead_of_three_converts(mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)

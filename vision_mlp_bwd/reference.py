@@ -16,7 +16,7 @@ GELU_CUBIC = 0.044715
 
 # dot_general dimension numbers for the four products of the MLP.
 _ROWS_TIMES_WEIGHT_T = (((1,), (1,)), ((), ()))   # [S,K] x [N,K] -> [S,N]
-_ROWS_TIMES_WEIGHT = (((1,), (0,)), ((), ()))     # [S,K] x [K,N] -> [S,N]
+ROWS_TIMES_WEIGHT = (((1,), (0,)), ((), ()))     # [S,K] x [K,N] -> [S,N]
 _COLUMNS_OUTER = (((0,), (0,)), ((), ()))         # [S,M] x [S,N] -> [M,N]
 
 
@@ -60,11 +60,11 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   mode: DotMode = canonicalize(precision)
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode)
-  grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode)
+  grad_gelu = xla_dot_general(grad_output, fc2_weight, ROWS_TIMES_WEIGHT, mode)
   grad_fc1_output = grad_gelu * gelu_tanh_grad(fc1_output.astype(jnp.float32))
   grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
   grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode)
-  grad_hidden_state = xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode)
+  grad_hidden_state = xla_dot_general(grad_fc1_output, fc1_weight, ROWS_TIMES_WEIGHT, mode)
   return (
       grad_hidden_state.astype(hidden_state.dtype),
       grad_fc1_weight.astype(fc1_weight.dtype),

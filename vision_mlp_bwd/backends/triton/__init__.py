@@ -10,7 +10,8 @@ Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
 for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 In 32-bit modes the Config may change operand layouts for the tensor cores
-(`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`).
+(`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
+leave the two products with a weight to XLA (`Config.xla_weight_products`).
 
 On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 """
@@ -25,7 +26,9 @@ import jax.numpy as jnp
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
 from vision_mlp_bwd.backends.triton.kernels import Cast, Product, grouped_launch
+from vision_mlp_bwd.precision import xla_dot_general
 from vision_mlp_bwd.problem import Problem
+from vision_mlp_bwd.reference import ROWS_TIMES_WEIGHT, gelu_tanh_grad
 
 __all__ = ["BACKEND", "Config", "TileConfig", "backward", "default_config", "interpret_config"]
 
@@ -50,7 +53,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
   cast_hidden_state = []   # a job of launch 1, when the casts run in Pallas
   if operand_dtype is not None and config.cast_inputs:
-    if config.fused_casts:
+    if config.fused_casts and config.xla_weight_products:  # one launch would need all three
+      grad_output, hidden_state, gelu_output = run(
+          [Cast(x.shape, operand_dtype) for x in (grad_output, hidden_state, gelu_output)],
+          [(grad_output,), (hidden_state,), (gelu_output,)], name="mlp_backward_casts")
+    elif config.fused_casts:
       grad_output, gelu_output = run(
           [Cast(grad_output.shape, operand_dtype), Cast(gelu_output.shape, operand_dtype)],
           [(grad_output,), (gelu_output,)], name="mlp_backward_casts")
@@ -92,6 +99,17 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     if config.group_launches:
       return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
     return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
+
+  if config.xla_weight_products:
+    mode = problem.mode
+    grad_pre = (xla_dot_general(grad_output, fc2_weight, ROWS_TIMES_WEIGHT, mode)
+                * gelu_tanh_grad(fc1_output.astype(jnp.float32))).astype(pre_dtype)
+    (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
+        [weight_grad(grad_output, gelu_output), weight_grad(grad_pre, hidden_state)],
+        "mlp_backward_weight_grads")
+    grad_hidden_state = xla_dot_general(grad_pre, fc1_weight, ROWS_TIMES_WEIGHT, mode)
+    return (grad_hidden_state.astype(out_dtype), grad_fc1_weight,
+            grad_fc1_bias.astype(out_dtype), grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
   grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([

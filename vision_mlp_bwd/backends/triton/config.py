@@ -75,6 +75,16 @@ class Config:
   # the left one, through registers; no copy. Their TileConfigs then tile
   # (I or H) x S, so block_m runs over the weight's side.
   weights_on_left: bool = False
+  # The two products with a weight run as XLA dots (cuBLAS reads the fp32
+  # [out, in] weights at about twice Pallas-Triton's rate) and the GELU
+  # derivative as an XLA fusion; the kernels keep the weight gradients and
+  # bias sums, both in one launch (whose warps and stages are weight_grads').
+  xla_weight_products: bool = False
+
+  def __post_init__(self):
+    if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
+      raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
+                       "k_major_weights and weights_on_left lay them out for the kernels.")
 
 
 T = TileConfig
@@ -110,9 +120,9 @@ _THIRTY_TWO_BIT_TABLE = (
     (160, C(T(32, 128, 32, num_warps=2, num_stages=4), T(128, 64, 16),
             T(32, 256, 32, split_k=8, num_warps=2))),                            # S=131
     (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
-            T(32, 256, 32, split_k=4, num_warps=2))),                            # S=211
+            T(32, 256, 32, split_k=4, num_warps=2), xla_weight_products=True)),  # S=211
     (256, C(T(32, 256, 32), T(128, 64, 32), T(32, 256, 16, split_k=4, num_warps=2),
-            k_major_weight_grads=True)),
+            k_major_weight_grads=True, xla_weight_products=True)),
     # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
     # with these, so they serve every larger S too.
     (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
