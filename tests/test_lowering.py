@@ -69,6 +69,7 @@ def test_separate_launches_lower_to_four():
 def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = dataclasses.replace(triton_backend.default_config(problem), fused_casts=False,
+                               xla_weight_products=False,
                                **variant)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
 
