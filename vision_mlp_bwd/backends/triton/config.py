@@ -79,6 +79,7 @@ class Config:
   # [out, in] weights at about twice Pallas-Triton's rate) and the GELU
   # derivative as an XLA fusion; the kernels keep the weight gradients and
   # bias sums, both in one launch (whose warps and stages are weight_grads').
+  # Measured 4-36% slower at TF32 S=211-256 (benchmarks/NOTES.md, 15).
   xla_weight_products: bool = False
 
   def __post_init__(self):
@@ -120,9 +121,9 @@ _THIRTY_TWO_BIT_TABLE = (
     (160, C(T(32, 128, 32, num_warps=2, num_stages=4), T(128, 64, 16),
             T(32, 256, 32, split_k=8, num_warps=2))),                            # S=131
     (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
-            T(32, 256, 32, split_k=4, num_warps=2), xla_weight_products=True)),  # S=211
+            T(32, 256, 32, split_k=4, num_warps=2))),                            # S=211
     (256, C(T(32, 256, 32), T(128, 64, 32), T(32, 256, 16, split_k=4, num_warps=2),
-            k_major_weight_grads=True, xla_weight_products=True)),
+            k_major_weight_grads=True)),
     # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
     # with these, so they serve every larger S too.
     (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
