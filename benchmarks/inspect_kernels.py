@@ -8,7 +8,8 @@ which tensor-core instruction the products use (`wgmma` is Hopper's, `mma.sync`
 the older path), whether loads are asynchronous copies into shared memory
 (`cp.async`, the pipelined path) or plain `ld.global`, and their widths. The
 PTX files land in DIR. `--calls N` then runs each backward N times, for
-`ncu` to profile (`ncu --clock-control none -k regex:mlp_backward ...`).
+`ncu` to profile (`ncu --clock-control none -k regex:mlp_backward ...`; the
+SASS: `ncu --page source --print-source sass --section SourceCounters ...`).
 Needs a CUDA GPU. Its first run (JAX 0.11.2, H200) found no kernel PTX among
 XLA's `*.ptx` dumps; it now searches every dumped file and says plainly when
 none holds the kernels (benchmarks/NOTES.md, section 9).
@@ -58,6 +59,10 @@ def main():
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
 
+  # Under ncu's kernel replay the device memory is backed up before each pass:
+  # JAX's default preallocation (75% of the GPU) made that take minutes on
+  # the H200, and a run cut off by `timeout` left the GPU held.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   dump = tempfile.mkdtemp(prefix="xla_dump_")
   os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump}"
   import jax
