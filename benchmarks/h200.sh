@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
   python3 -m pytest tests/test_gpu.py tests/test_gpu_acceptance.py -q -p no:cacheprovider --tb=short
   compute-sanitizer --tool memcheck --print-limit 5 python3 -m tests.sanitize_run 1 131 293 | tail -3
   python3 -m benchmarks.run --out "$out/main"
-  python3 -m benchmarks.run --precisions bf16 --seq-lens 64 128 211 256 --out "$out/bf16"
+  python3 -m benchmarks.run --precisions bf16 --seq-lens 64 128 131 211 256 --out "$out/bf16"
   python3 examples/train_vit.py --gpu-compare --tokens 256,1024 --batch 1 --steps 20 --warmup 5
 } 2>&1 | grep -v DeprecationWarning | tr '\r' '\n' | grep -v "run/s\|s/run\|it/s" | tee "$out/h200.log"
 rm -f "$out"/*/*latest*   # the dated copies are the record
