@@ -76,3 +76,24 @@ def test_every_output_element_written(tokens, role):
   product = out[0] if isinstance(out, tuple) else out
   assert product.shape == (m, n)
   assert bool(jnp.all(jnp.isfinite(product))), f"{role}: unwritten elements at S={tokens}"
+
+
+@pytest.mark.parametrize("variant", [dict(k_major_weight_grads=True), dict(weights_on_left=True),
+                                     dict(xla_weight_products=True)], ids=str)
+def test_tf32_layouts_are_as_accurate_as_the_plain_one(variant):
+  """Operand layouts must not change TF32 numerics (a truncating left operand raised the
+  weight gradients' error by a third; benchmarks/NOTES.md, section 13)."""
+  import dataclasses
+
+  from vision_mlp_bwd.backends import triton as triton_backend
+  inputs = helpers.backward_inputs(256, 1280, 3584)
+  problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
+  plain = dataclasses.replace(default_config(problem), k_major_weight_grads=False)
+  oracle = helpers.backward_float64(*inputs)
+  errors = {}
+  for name, config in (("plain", plain), ("variant", dataclasses.replace(plain, **variant))):
+    outs = jax.jit(lambda *a, c=config: triton_backend.backward(*a, problem=problem, config=c))(
+        *inputs)
+    errors[name] = [helpers.relative_error(o, r) for o, r in zip(outs, oracle)]
+  for out_name, plain_err, err in zip(helpers.OUT_NAMES, errors["plain"], errors["variant"]):
+    assert err <= 1.1 * plain_err + 1e-7, f"{out_name}: {err:.2e} vs {plain_err:.2e} plain"
