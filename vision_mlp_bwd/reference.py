@@ -16,7 +16,7 @@ GELU_CUBIC = 0.044715
 
 # dot_general dimension numbers for the four products of the MLP.
 _ROWS_TIMES_WEIGHT_T = (((1,), (1,)), ((), ()))   # [S,K] x [N,K] -> [S,N]
-ROWS_TIMES_WEIGHT = (((1,), (0,)), ((), ()))     # [S,K] x [K,N] -> [S,N]
+_ROWS_TIMES_WEIGHT = (((1,), (0,)), ((), ()))    # [S,K] x [K,N] -> [S,N]
 _COLUMNS_OUTER = (((0,), (0,)), ((), ()))         # [S,M] x [S,N] -> [M,N]
 
 
@@ -48,6 +48,17 @@ def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, pre
   return output, fc1_output, gelu_output
 
 
+def pre_activation_grad(grad_output, fc2_weight, fc1_output, mode: DotMode):
+  """`grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`, fp32."""
+  grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode)
+  return grad_gelu * gelu_tanh_grad(fc1_output.astype(jnp.float32))
+
+
+def input_grad(grad_fc1_output, fc1_weight, mode: DotMode):
+  """`grad_hidden_state = grad_fc1_output @ fc1_weight`, fp32."""
+  return xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode)
+
+
 def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                  fc1_output, gelu_output, *, precision=None):
   """The five gradients of the SOL-ExecBench contract, in its order.
@@ -60,11 +71,10 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   mode: DotMode = canonicalize(precision)
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode)
-  grad_gelu = xla_dot_general(grad_output, fc2_weight, ROWS_TIMES_WEIGHT, mode)
-  grad_fc1_output = grad_gelu * gelu_tanh_grad(fc1_output.astype(jnp.float32))
+  grad_fc1_output = pre_activation_grad(grad_output, fc2_weight, fc1_output, mode)
   grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
   grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode)
-  grad_hidden_state = xla_dot_general(grad_fc1_output, fc1_weight, ROWS_TIMES_WEIGHT, mode)
+  grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode)
   return (
       grad_hidden_state.astype(hidden_state.dtype),
       grad_fc1_weight.astype(fc1_weight.dtype),

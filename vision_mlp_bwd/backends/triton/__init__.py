@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
 from vision_mlp_bwd.backends.triton.kernels import Cast, Product, grouped_launch
-from vision_mlp_bwd.precision import xla_dot_general
 from vision_mlp_bwd.problem import Problem
-from vision_mlp_bwd.reference import ROWS_TIMES_WEIGHT, gelu_tanh_grad
+from vision_mlp_bwd.reference import input_grad, pre_activation_grad
 
 __all__ = ["BACKEND", "Config", "TileConfig", "backward", "default_config", "interpret_config"]
 
@@ -53,15 +52,15 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
   cast_hidden_state = []   # a job of launch 1, when the casts run in Pallas
   if operand_dtype is not None and config.cast_inputs:
-    if config.fused_casts and config.xla_weight_products:  # one launch would need all three
-      grad_output, hidden_state, gelu_output = run(
-          [Cast(x.shape, operand_dtype) for x in (grad_output, hidden_state, gelu_output)],
-          [(grad_output,), (hidden_state,), (gelu_output,)], name="mlp_backward_casts")
-    elif config.fused_casts:
-      grad_output, gelu_output = run(
-          [Cast(grad_output.shape, operand_dtype), Cast(gelu_output.shape, operand_dtype)],
-          [(grad_output,), (gelu_output,)], name="mlp_backward_casts")
-      cast_hidden_state = [(Cast(hidden_state.shape, operand_dtype), (hidden_state,))]
+    if config.fused_casts:
+      # hidden_state rides in launch 1 unless there is none (xla_weight_products).
+      first = [grad_output, gelu_output] + ([hidden_state] if config.xla_weight_products else [])
+      grad_output, gelu_output, *cast = run([Cast(x.shape, operand_dtype) for x in first],
+                                            [(x,) for x in first], name="mlp_backward_casts")
+      if cast:
+        [hidden_state] = cast
+      else:
+        cast_hidden_state = [(Cast(hidden_state.shape, operand_dtype), (hidden_state,))]
     else:
       grad_output, hidden_state, gelu_output = (
           x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
@@ -101,28 +100,25 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
 
   if config.xla_weight_products:
-    mode = problem.mode
-    grad_pre = (xla_dot_general(grad_output, fc2_weight, ROWS_TIMES_WEIGHT, mode)
-                * gelu_tanh_grad(fc1_output.astype(jnp.float32))).astype(pre_dtype)
+    grad_pre = pre_activation_grad(grad_output, fc2_weight, fc1_output,
+                                   problem.mode).astype(pre_dtype)
     (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
         [weight_grad(grad_output, gelu_output), weight_grad(grad_pre, hidden_state)],
         "mlp_backward_weight_grads")
-    grad_hidden_state = xla_dot_general(grad_pre, fc1_weight, ROWS_TIMES_WEIGHT, mode)
-    return (grad_hidden_state.astype(out_dtype), grad_fc1_weight,
-            grad_fc1_bias.astype(out_dtype), grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
-
-  # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-  grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
-      by_weight(config.pre_activation, pre_dtype, grad_output, fc2_weight, fc1_output),
-      weight_grad(grad_output, gelu_output),
-      *cast_hidden_state,
-  ], "mlp_backward_1")
-  if cast:
-    [hidden_state] = cast
-  grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
-      by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
-      weight_grad(grad_pre, hidden_state),
-  ], "mlp_backward_2")
+    grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
+  else:
+    # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
+    grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
+        by_weight(config.pre_activation, pre_dtype, grad_output, fc2_weight, fc1_output),
+        weight_grad(grad_output, gelu_output),
+        *cast_hidden_state,
+    ], "mlp_backward_1")
+    if cast:
+      [hidden_state] = cast
+    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
+        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
+        weight_grad(grad_pre, hidden_state),
+    ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
