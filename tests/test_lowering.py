@@ -64,7 +64,8 @@ def test_separate_launches_lower_to_four():
 @pytest.mark.parametrize("variant", [
     dict(k_major_weight_grads=True, k_major_weights=True),
     dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
-    dict(weights_on_left=True, k_major_weight_grads=True)], ids=str)
+    dict(weights_on_left=True, k_major_weight_grads=True),
+    dict(right_operands_via_registers=True)], ids=str)
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
 def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)

@@ -72,6 +72,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
+  rhs_via_registers = config.right_operands_via_registers and operand_dtype is None
 
   def by_weight(tile, dtype, x, weight, gelu_input=None):
     """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`)."""
@@ -82,7 +83,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       return (Product(n, m, k, tile, dtype, transpose_a=not config.k_major_weights,
                       transpose_b=True, store_transposed=True, lhs_in_registers=True, **gelu),
               (weight, x, *extra))
-    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **gelu),
+    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights,
+                    rhs_via_registers=rhs_via_registers and not config.k_major_weights, **gelu),
             (x, weight, *extra))
 
   def weight_grad(g, z):
@@ -91,7 +93,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     if config.k_major_weight_grads:
       return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, transpose_b=True,
                       row_sums=True, lhs_in_registers=True), (g, z.T))
-    return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
+    return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True,
+                    rhs_via_registers=rhs_via_registers), (g, z))
 
   def launch(jobs, name):
     """Runs (job, operands) pairs grouped in one launch, or one launch each."""

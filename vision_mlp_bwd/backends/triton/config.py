@@ -75,6 +75,11 @@ class Config:
   # the left one, through registers; no copy. Their TileConfigs then tile
   # (I or H) x S, so block_m runs over the weight's side.
   weights_on_left: bool = False
+  # Right operands that are not K-contiguous (the weights, unless
+  # k_major_weights or weights_on_left; gelu_output and hidden_state, unless
+  # k_major_weight_grads) go through registers (`Product.rhs_via_registers`):
+  # 16-byte loads, then Triton's own K-major store into shared memory.
+  right_operands_via_registers: bool = False
   # The two products with a weight run as XLA dots (cuBLAS reads the fp32
   # [out, in] weights at about twice Pallas-Triton's rate) and the GELU
   # derivative as an XLA fusion; the kernels keep the weight gradients and
