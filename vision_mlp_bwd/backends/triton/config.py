@@ -121,8 +121,8 @@ _SIXTEEN_BIT_TABLE = (
 )
 _THIRTY_TWO_BIT_TABLE = (
     (64, C(T(32, 64, 64, num_stages=4), T(128, 64, 64), T(32, 128, 32, split_k=8))),
-    (128, C(T(32, 64, 32, num_warps=2, num_stages=4), T(64, 128, 32, num_warps=2),
-            T(64, 64, 32, split_k=4, num_warps=2))),
+    (128, C(T(32, 64, 32, num_warps=2), T(64, 128, 32, num_warps=2),
+            T(64, 64, 64, split_k=4, num_warps=2))),
     (160, C(T(32, 128, 32, num_warps=2, num_stages=4), T(128, 64, 16),
             T(32, 256, 32, split_k=8, num_warps=2))),                            # S=131
     (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
