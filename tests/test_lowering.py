@@ -36,14 +36,19 @@ def lower_for_cuda(problem: Problem, dtype=jnp.float32, config=None):
   return jax.jit(backward).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def casts_launches(config, mode):
+  """1 where the Config casts the activations in a launch of their own before launch 1."""
+  return int(mode.operand_dtype is not None and config.cast_inputs and config.fused_casts
+             and not config.fc2_weight_grad_in_second_launch)
+
+
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("tokens", SEQ_LENS)
 def test_seed_cases_lower_to_two_triton_launches(tokens, mode):
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = triton_backend.default_config(problem)
-  casts = mode.operand_dtype is not None and config.cast_inputs and config.fused_casts
   launches = 1 if config.xla_weight_products else 2
-  assert lower_for_cuda(problem).count(TRITON_CALL) == launches + casts   # + the casts' launch
+  assert lower_for_cuda(problem).count(TRITON_CALL) == launches + casts_launches(config, mode)
 
 
 @pytest.mark.parametrize("hidden,intermediate", [(768, 3072), (1024, 4096), (1152, 4304),
@@ -104,10 +109,20 @@ def test_fused_casts_lower_as_one_launch_instead_of_three_converts(mode):
   assert (fused.count("stablehlo.convert"), in_xla.count("stablehlo.convert")) == (0, 3)
 
 
+@pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=lambda m: m.value)
+def test_fc2_weight_grad_in_second_launch_takes_the_casts_into_launch_1(mode):
+  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = dataclasses.replace(triton_backend.default_config(problem), cast_inputs=True,
+                               fused_casts=True, fc2_weight_grad_in_second_launch=True)
+  text = lower_for_cuda(problem, config=config)
+  assert (text.count(TRITON_CALL), text.count("stablehlo.convert")) == (2, 0)
+
+
 def test_several_tiles_per_program_lower():
   problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
   config = triton_backend.default_config(problem)
   config = dataclasses.replace(
       config, weight_grads=dataclasses.replace(config.weight_grads, tiles_per_program=4),
       pre_activation=dataclasses.replace(config.pre_activation, tiles_per_program=2))
-  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2 + config.fused_casts
+  assert (lower_for_cuda(problem, config=config).count(TRITON_CALL)
+          == 2 + casts_launches(config, problem.mode))

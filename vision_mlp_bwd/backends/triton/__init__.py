@@ -5,10 +5,12 @@ Launch 1: `grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`
 grad_output.T @ gelu_output` (with `grad_fc2_bias` summed from the same tiles).
 Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 `grad_fc1_weight = grad_fc1_output.T @ hidden_state` (with `grad_fc1_bias`).
-`Config.group_launches=False` runs the four products as four launches.
+`Config.group_launches=False` runs the four products as four launches;
+`Config.fc2_weight_grad_in_second_launch` moves `grad_fc2_weight` to launch 2.
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
-for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
+for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1 (all
+three inside launch 1 when `grad_fc2_weight` is in launch 2).
 In 32-bit modes the Config may change operand layouts for the tensor cores
 (`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
 leave the two products with a weight to XLA (`Config.xla_weight_products`).
@@ -50,20 +52,20 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   operand_dtype = problem.mode.operand_dtype
   out_dtype = problem.dtype  # every input has it, so every gradient does
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
-  cast_hidden_state = []   # a job of launch 1, when the casts run in Pallas
+  acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
+  early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
   if operand_dtype is not None and config.cast_inputs:
-    if config.fused_casts:
-      # hidden_state rides in launch 1 unless there is none (xla_weight_products).
-      first = [grad_output, gelu_output] + ([hidden_state] if config.xla_weight_products else [])
-      grad_output, gelu_output, *cast = run([Cast(x.shape, operand_dtype) for x in first],
-                                            [(x,) for x in first], name="mlp_backward_casts")
-      if cast:
-        [hidden_state] = cast
-      else:
-        cast_hidden_state = [(Cast(hidden_state.shape, operand_dtype), (hidden_state,))]
+    if not config.fused_casts:
+      acts = {name: x.astype(operand_dtype) for name, x in acts.items()}
+    elif config.xla_weight_products:   # no launch 1: one kernel launch needs all three
+      early = list(acts)
+    elif config.fc2_weight_grad_in_second_launch:   # launch 1 reads grad_output in fp32
+      late = list(acts)
     else:
-      grad_output, hidden_state, gelu_output = (
-          x.astype(operand_dtype) for x in (grad_output, hidden_state, gelu_output))
+      early, late = ["grad_output", "gelu_output"], ["hidden_state"]
+  if early:
+    acts.update(zip(early, run([Cast(acts[n].shape, operand_dtype) for n in early],
+                               [(acts[n],) for n in early], name="mlp_backward_casts")))
   if operand_dtype is not None and config.cast_weights:
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
@@ -103,25 +105,31 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
 
   if config.xla_weight_products:
-    grad_pre = pre_activation_grad(grad_output, fc2_weight, fc1_output,
+    grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
     (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
-        [weight_grad(grad_output, gelu_output), weight_grad(grad_pre, hidden_state)],
-        "mlp_backward_weight_grads")
+        [weight_grad(acts["grad_output"], acts["gelu_output"]),
+         weight_grad(grad_pre, acts["hidden_state"])], "mlp_backward_weight_grads")
     grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-    grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
-        by_weight(config.pre_activation, pre_dtype, grad_output, fc2_weight, fc1_output),
-        weight_grad(grad_output, gelu_output),
-        *cast_hidden_state,
-    ], "mlp_backward_1")
-    if cast:
-      [hidden_state] = cast
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
-        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
-        weight_grad(grad_pre, hidden_state),
-    ], "mlp_backward_2")
+    late_fc2 = config.fc2_weight_grad_in_second_launch
+    first = [by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
+                       fc1_output)]
+    if not late_fc2:
+      first.append(weight_grad(acts["grad_output"], acts["gelu_output"]))
+    grad_pre, *fc2_grads = launch(
+        first + [(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late], "mlp_backward_1")
+    if late:
+      fc2_grads, cast = fc2_grads[:len(first) - 1], fc2_grads[len(first) - 1:]
+      acts.update(zip(late, cast))
+    second = [by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
+              weight_grad(grad_pre, acts["hidden_state"])]
+    if late_fc2:
+      second.append(weight_grad(acts["grad_output"], acts["gelu_output"]))
+    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *late_fc2_grads = launch(
+        second, "mlp_backward_2")
+    [(grad_fc2_weight, grad_fc2_bias)] = fc2_grads or late_fc2_grads
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 

@@ -60,6 +60,11 @@ class Config:
   # hidden_state (needed only by the second) inside the first launch.
   # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
+  # grad_fc2_weight (with its bias) runs in launch 2 beside the other two
+  # products, so launch 1 is the pre-activation product alone. With
+  # fused_casts, all three casts then ride in launch 1 (no casts launch) and
+  # that product converts fp32 grad_output tiles itself.
+  fc2_weight_grad_in_second_launch: bool = False
   # fp32 wgmma operands must be K-major in shared memory; an operand that is
   # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
   # can come from registers instead (`Product.lhs_in_registers`), so only the
@@ -91,6 +96,9 @@ class Config:
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")
+    if self.xla_weight_products and self.fc2_weight_grad_in_second_launch:
+      raise ValueError("Config.xla_weight_products runs both weight gradients in one launch; "
+                       "fc2_weight_grad_in_second_launch moves one between two launches.")
 
 
 T = TileConfig
