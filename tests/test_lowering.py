@@ -38,8 +38,7 @@ def lower_for_cuda(problem: Problem, dtype=jnp.float32, config=None):
 
 def casts_launches(config, mode):
   """1 where the Config casts the activations in a launch of their own before launch 1."""
-  return int(mode.operand_dtype is not None and config.cast_inputs and config.fused_casts
-             and not config.fc2_weight_grad_in_second_launch)
+  return int(mode.operand_dtype is not None and config.cast_inputs and config.fused_casts)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
@@ -69,8 +68,7 @@ def test_separate_launches_lower_to_four():
 @pytest.mark.parametrize("variant", [
     dict(k_major_weight_grads=True, k_major_weights=True),
     dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
-    dict(weights_on_left=True, k_major_weight_grads=True),
-    dict(right_operands_via_registers=True)], ids=str)
+    dict(weights_on_left=True, k_major_weight_grads=True)], ids=str)
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
 def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
@@ -107,15 +105,6 @@ def test_fused_casts_lower_as_one_launch_instead_of_three_converts(mode):
   assert (fused.count(TRITON_CALL), in_xla.count(TRITON_CALL)) == (3, 2)
   # the three activation casts leave XLA (where each is a kernel of its own)
   assert (fused.count("stablehlo.convert"), in_xla.count("stablehlo.convert")) == (0, 3)
-
-
-@pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=lambda m: m.value)
-def test_fc2_weight_grad_in_second_launch_takes_the_casts_into_launch_1(mode):
-  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = dataclasses.replace(triton_backend.default_config(problem), cast_inputs=True,
-                               fused_casts=True, fc2_weight_grad_in_second_launch=True)
-  text = lower_for_cuda(problem, config=config)
-  assert (text.count(TRITON_CALL), text.count("stablehlo.convert")) == (2, 0)
 
 
 def test_several_tiles_per_program_lower():

@@ -151,7 +151,7 @@ def round_to_tf32(x):
 
 
 def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
-               lhs_in_registers: bool = False, rhs_via_registers: bool = False):
+               lhs_in_registers: bool = False):
   """A tile product inside a Pallas kernel, computed as `mode` says.
 
   `a` and `b` are 2-D tiles; the product contracts `a`'s axis `contract_a` with
@@ -163,10 +163,6 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
   K-contiguous in memory to be copied with 16-byte loads (fp32 wgmma operands
   in shared memory must be K-major). Truncating instead raised the weight
   gradients' error from 4.2e-4 to 5.5e-4 on the H200 (benchmarks/NOTES.md, 13).
-  `rhs_via_registers` (TF32 only): round `b` likewise, so Triton loads it into
-  registers along its contiguous axis with 16-byte loads and stores it
-  K-major into shared memory itself, instead of copying it there 4 bytes at a
-  time (wgmma takes `b` from shared memory only).
   """
   dims = (((contract_a,), (contract_b,)), ((), ()))
 
@@ -183,5 +179,4 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
     return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
   if mode == DotMode.F32:
     return dot(a, b, lax.Precision.HIGHEST)
-  return dot(round_to_tf32(a) if lhs_in_registers else a,
-             round_to_tf32(b) if rhs_via_registers else b, lax.Precision.DEFAULT)
+  return dot(round_to_tf32(a) if lhs_in_registers else a, b, lax.Precision.DEFAULT)

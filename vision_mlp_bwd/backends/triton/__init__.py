@@ -5,12 +5,10 @@ Launch 1: `grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`
 grad_output.T @ gelu_output` (with `grad_fc2_bias` summed from the same tiles).
 Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 `grad_fc1_weight = grad_fc1_output.T @ hidden_state` (with `grad_fc1_bias`).
-`Config.group_launches=False` runs the four products as four launches;
-`Config.fc2_weight_grad_in_second_launch` moves `grad_fc2_weight` to launch 2.
+`Config.group_launches=False` runs the four products as four launches.
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
-for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1 (all
-three inside launch 1 when `grad_fc2_weight` is in launch 2).
+for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 In 32-bit modes the Config may change operand layouts for the tensor cores
 (`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
 leave the two products with a weight to XLA (`Config.xla_weight_products`).
@@ -59,8 +57,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       acts = {name: x.astype(operand_dtype) for name, x in acts.items()}
     elif config.xla_weight_products:   # no launch 1: one kernel launch needs all three
       early = list(acts)
-    elif config.fc2_weight_grad_in_second_launch:   # launch 1 reads grad_output in fp32
-      late = list(acts)
     else:
       early, late = ["grad_output", "gelu_output"], ["hidden_state"]
   if early:
@@ -74,7 +70,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
-  rhs_via_registers = config.right_operands_via_registers and operand_dtype is None
 
   def by_weight(tile, dtype, x, weight, gelu_input=None):
     """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`)."""
@@ -85,8 +80,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       return (Product(n, m, k, tile, dtype, transpose_a=not config.k_major_weights,
                       transpose_b=True, store_transposed=True, lhs_in_registers=True, **gelu),
               (weight, x, *extra))
-    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights,
-                    rhs_via_registers=rhs_via_registers and not config.k_major_weights, **gelu),
+    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **gelu),
             (x, weight, *extra))
 
   def weight_grad(g, z):
@@ -95,8 +89,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     if config.k_major_weight_grads:
       return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, transpose_b=True,
                       row_sums=True, lhs_in_registers=True), (g, z.T))
-    return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True,
-                    rhs_via_registers=rhs_via_registers), (g, z))
+    return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
   def launch(jobs, name):
     """Runs (job, operands) pairs grouped in one launch, or one launch each."""
@@ -113,23 +106,16 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-    late_fc2 = config.fc2_weight_grad_in_second_launch
-    first = [by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
-                       fc1_output)]
-    if not late_fc2:
-      first.append(weight_grad(acts["grad_output"], acts["gelu_output"]))
-    grad_pre, *fc2_grads = launch(
-        first + [(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late], "mlp_backward_1")
-    if late:
-      fc2_grads, cast = fc2_grads[:len(first) - 1], fc2_grads[len(first) - 1:]
-      acts.update(zip(late, cast))
-    second = [by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
-              weight_grad(grad_pre, acts["hidden_state"])]
-    if late_fc2:
-      second.append(weight_grad(acts["grad_output"], acts["gelu_output"]))
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *late_fc2_grads = launch(
-        second, "mlp_backward_2")
-    [(grad_fc2_weight, grad_fc2_bias)] = fc2_grads or late_fc2_grads
+    grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
+        by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
+        weight_grad(acts["grad_output"], acts["gelu_output"]),
+        *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
+    ], "mlp_backward_1")
+    acts.update(zip(late, cast))
+    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
+        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
+        weight_grad(grad_pre, acts["hidden_state"]),
+    ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 

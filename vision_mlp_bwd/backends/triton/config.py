@@ -60,11 +60,6 @@ class Config:
   # hidden_state (needed only by the second) inside the first launch.
   # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
-  # grad_fc2_weight (with its bias) runs in launch 2 beside the other two
-  # products, so launch 1 is the pre-activation product alone. With
-  # fused_casts, all three casts then ride in launch 1 (no casts launch) and
-  # that product converts fp32 grad_output tiles itself.
-  fc2_weight_grad_in_second_launch: bool = False
   # fp32 wgmma operands must be K-major in shared memory; an operand that is
   # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
   # can come from registers instead (`Product.lhs_in_registers`), so only the
@@ -80,11 +75,6 @@ class Config:
   # the left one, through registers; no copy. Their TileConfigs then tile
   # (I or H) x S, so block_m runs over the weight's side.
   weights_on_left: bool = False
-  # Right operands that are not K-contiguous (the weights, unless
-  # k_major_weights or weights_on_left; gelu_output and hidden_state, unless
-  # k_major_weight_grads) go through registers (`Product.rhs_via_registers`):
-  # 16-byte loads, then Triton's own K-major store into shared memory.
-  right_operands_via_registers: bool = False
   # The two products with a weight run as XLA dots (cuBLAS reads the fp32
   # [out, in] weights at about twice Pallas-Triton's rate) and the GELU
   # derivative as an XLA fusion; the kernels keep the weight gradients and
@@ -96,9 +86,6 @@ class Config:
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")
-    if self.xla_weight_products and self.fc2_weight_grad_in_second_launch:
-      raise ValueError("Config.xla_weight_products runs both weight gradients in one launch; "
-                       "fc2_weight_grad_in_second_launch moves one between two launches.")
 
 
 T = TileConfig
@@ -113,7 +100,7 @@ C = Config
 # benchmarks/NOTES.md tells the story. Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
-    (128, C(T(32, 64, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
+    (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
             cast_inputs=True, fused_casts=True)),
     (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,

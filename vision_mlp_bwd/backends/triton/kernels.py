@@ -66,7 +66,6 @@ class Product:
   fuse_gelu: bool = False
   row_sums: bool = False
   lhs_in_registers: bool = False   # see precision.kernel_dot
-  rhs_via_registers: bool = False  # likewise
 
   @property
   def grid(self):
@@ -214,8 +213,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
     acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
                       contract_b=1 if p.transpose_b else 0,
-                      lhs_in_registers=p.lhs_in_registers,
-                      rhs_via_registers=p.rhs_via_registers)
+                      lhs_in_registers=p.lhs_in_registers)
     if p.row_sums:
       sums += jnp.sum(a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
     return acc, sums
