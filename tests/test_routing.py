@@ -25,7 +25,8 @@ RESULTS = pathlib.Path(__file__).parent.parent / "benchmarks" / "results"
 RUNS = ["h200_20261129-154647.json", "h200_bf16_20261129-154757.json",
         "h200_20261129-164332.json", "h200_bf16_20261129-164909.json",
         "h200_20261129-173705.json", "h200_bf16_20261129-173951.json",
-        "h200_tf32_rounding_20261129-174805.json"]
+        "h200_tf32_rounding_20261129-174805.json",
+        "h200_20261129-185533.json", "h200_bf16_20261129-185704.json"]
 
 
 def measured_pairs():
