@@ -3,6 +3,8 @@
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -291,3 +293,14 @@ def test_inspect_kernels_counts_instructions_per_ptx_entry():
   first, second = (count_instructions(kernels[k]) for k in kernels)
   assert (first["wgmma"], first["cp.async"], first["st.global.v4"], first["mma.sync"]) == (2, 1, 1, 0)
   assert (second["mma.sync"], second["ld.global.v4"], second["wgmma"]) == (1, 1, 0)
+
+
+def test_mosaic_probe_kernel_lowers_for_cuda():
+  """The probe's wgmma kernel (benchmarks/mosaic_probe.py) lowers to one Mosaic GPU call."""
+  import functools
+
+  from benchmarks.mosaic_probe import k_major_matmul
+  fn = jax.jit(functools.partial(k_major_matmul, tile_m=64, tile_n=128, stages=4))
+  specs = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((128, 1280), (3584, 1280))]
+  text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("mosaic_gpu") >= 1 and "tensor<128x3584xf32>" in text
