@@ -7,7 +7,7 @@ This times, per seed S, each of the backward's four products computed as
 `A[M, K] @ B[N, K].T` by one pipelined wgmma kernel, beside XLA's TF32 dot of
 the same operands and XLA's transpose of a weight. Run on the GPU:
 
-    python -m benchmarks.mosaic_probe --seq-lens 128 256
+    python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent]
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from benchmarks.timing import device_times_us
 
 SWIZZLE = 128                 # bytes: one 128-byte row of fp32 is 32 elements
 TILE_K = SWIZZLE // 4
+SMEM_BYTES = 227 * 1024       # per block on Hopper
 
 
 def k_major_matmul(a, b, *, tile_m, tile_n, stages):
@@ -64,15 +65,105 @@ def k_major_matmul(a, b, *, tile_m, tile_n, stages):
       grid=(m // tile_m, n // tile_n), grid_names=("m", "n"))(a, b)
 
 
+def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sms=132):
+  """`a @ b.T` as above, by a persistent, warp-specialized kernel (split-K summed by XLA).
+
+  One memory warpgroup streams `[tile_m, 32]` and `[2 * tile_n, 32]` tiles with
+  TMA; two compute warpgroups each own half of the `tile_m x 2 * tile_n` output
+  tile. Each of `num_sms` blocks walks the (split, m, n) tiles in turn.
+  """
+  (m, k), (n, _) = a.shape, b.shape
+  transforms = (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(SWIZZLE))
+  block_n = 2 * tile_n
+  m_iters, n_iters, k_per_split = m // tile_m, n // block_n, k // split_k
+  k_iters = k_per_split // TILE_K
+
+  def kernel(a_gmem, b_gmem, o_gmem):
+    def pipeline(body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          body, grid=(k_iters,), memory_registers=40, max_concurrent_steps=stages,
+          in_specs=[plgpu.BlockSpec((tile_m, TILE_K), lambda s: (0, s), transforms=transforms),
+                    plgpu.BlockSpec((block_n, TILE_K), lambda s: (0, s), transforms=transforms)],
+          wg_axis="wg", num_compute_wgs=2, compute_context=compute_context)
+
+    ignore = lambda *_, **__: None
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        o_smem=plgpu.SMEM((2, tile_m, tile_n), jnp.float32, transforms=transforms),
+        collective_axes="wg")
+    def _(allocations, o_smem):
+      wg = lax.axis_index("wg")
+
+      @plgpu.nd_loop((split_k * m_iters * n_iters,), collective_axes="sm")
+      def _(info):
+        (index,) = info.index
+        split, rest = index // (m_iters * n_iters), index % (m_iters * n_iters)
+        mi, ni = rest % m_iters, rest // m_iters
+        contraction = pl.ds(split * k_per_split, k_per_split)
+
+        def compute_context(run_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+          def _(acc_ref):
+            run_pipeline(acc_ref)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[wg] = acc_ref[...]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg], o_gmem.at[pl.ds(split * m + mi * tile_m, tile_m),
+                                         pl.ds(ni * block_n + wg * tile_n, tile_n)])
+
+        def step(_, a_smem, b_smem, acc_ref):
+          b_half = b_smem.at[pl.ds(wg * tile_n, tile_n)]
+          plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_half, (1, 0)))
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(step, compute_context)(
+            a_gmem.at[pl.ds(mi * tile_m, tile_m), contraction],
+            b_gmem.at[pl.ds(ni * block_n, block_n), contraction], allocations=allocations)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  partials = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((split_k * m, n), jnp.float32),
+      grid=(num_sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(a, b)
+  return partials.reshape(split_k, m, n).sum(axis=0) if split_k > 1 else partials
+
+
 def products(s, h, i):
   """The backward's four products as (name, M, N, K), all operands K-major."""
   return [("pre", s, i, h), ("input_grad", s, h, i), ("fc2_weight_grad", h, i, s),
           ("fc1_weight_grad", i, h, s)]
 
 
+def candidates(kernel_name, m, n, k):
+  """(label, function of (a, b)) for each tile setting of `kernel_name` worth timing."""
+  out = []
+  if kernel_name == "plain":
+    for tile_m, tile_n, stages in itertools.product((64, 128), (64, 128, 256), (2, 4)):
+      if m % tile_m == 0 and n % tile_n == 0:
+        out.append((f"{tile_m}x{tile_n} st{stages}", functools.partial(
+            k_major_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages)))
+    return out
+  splits = (1, 2, 4) if k >= 1024 else (1,)
+  for tile_m, tile_n, stages, split in itertools.product((64, 128), (64, 128), (3, 4, 6), splits):
+    smem = 4 * (stages * TILE_K * (tile_m + 2 * tile_n) + 2 * tile_m * tile_n)
+    if (m % tile_m == 0 and n % (2 * tile_n) == 0 and k % (split * TILE_K) == 0
+        and smem <= SMEM_BYTES):
+      out.append((f"{tile_m}x2x{tile_n} st{stages} split{split}", functools.partial(
+          persistent_k_major_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages,
+          split_k=split, num_sms=getattr(jax.devices()[0], "core_count", 132))))
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256])
+  parser.add_argument("--kernels", nargs="+", default=["plain", "persistent"],
+                      choices=["plain", "persistent"])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584
@@ -88,28 +179,26 @@ def main():
       exact = lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST)
       xla = jax.jit(lambda a, b: lax.dot_general(a, b, (((1,), (1,)), ((), ()))))
       flops = 2 * m * n * k
-      best = (float("inf"), None)
-      for tile_m, tile_n, stages in itertools.product((64, 128), (64, 128, 256), (2, 4)):
-        if m % tile_m or n % tile_n:
-          continue
-        fn = jax.jit(functools.partial(k_major_matmul, tile_m=tile_m, tile_n=tile_n,
-                                       stages=stages))
-        try:
-          out = fn(a, b)
-        except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
-          print(f"  {name} S={s} {tile_m}x{tile_n} st{stages}: {type(e).__name__}: "
-                f"{(str(e).splitlines() or [repr(e)])[0][:160]}", flush=True)
-          continue
-        error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
-        us = device_times_us(fn, a, b).median_us
-        rows.append(dict(name=name, s=s, tile=(tile_m, tile_n), stages=stages, us=us,
-                         error=error))
-        best = min(best, (us, (tile_m, tile_n, stages, error)))
       x = device_times_us(xla, a, b).median_us
       rows.append(dict(name=name, s=s, xla_us=x))
-      print(f"S={s:4d} {name:16s} M={m} N={n} K={k}: mosaic {best[0]:6.1f} us "
-            f"({flops / best[0] / 1e6:5.0f} TFLOP/s, tile/stages/error {best[1]}), "
-            f"XLA TF32 {x:6.1f} us", flush=True)
+      for kernel_name in args.kernels:
+        best = (float("inf"), None)
+        for label, kernel in candidates(kernel_name, m, n, k):
+          fn = jax.jit(kernel)
+          try:
+            out = fn(a, b)
+          except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
+            print(f"  {name} S={s} {kernel_name} {label}: {type(e).__name__}: "
+                  f"{(str(e).splitlines() or [repr(e)])[0][:160]}", flush=True)
+            continue
+          error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
+          us = device_times_us(fn, a, b).median_us
+          rows.append(dict(name=name, s=s, kernel=kernel_name, config=label, us=us,
+                           error=error))
+          best = min(best, (us, label, error))
+        print(f"S={s:4d} {name:16s} M={m} N={n} K={k}: {kernel_name} {best[0]:6.1f} us "
+              f"({flops / best[0] / 1e6:5.0f} TFLOP/s, {best[1:]}), XLA TF32 {x:6.1f} us",
+              flush=True)
   with open(os.path.join(args.out, "mosaic_probe.json"), "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
               indent=1)

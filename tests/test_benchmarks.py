@@ -295,12 +295,14 @@ def test_inspect_kernels_counts_instructions_per_ptx_entry():
   assert (second["mma.sync"], second["ld.global.v4"], second["wgmma"]) == (1, 1, 0)
 
 
-def test_mosaic_probe_kernel_lowers_for_cuda():
-  """The probe's wgmma kernel (benchmarks/mosaic_probe.py) lowers to one Mosaic GPU call."""
-  import functools
-
-  from benchmarks.mosaic_probe import k_major_matmul
-  fn = jax.jit(functools.partial(k_major_matmul, tile_m=64, tile_n=128, stages=4))
-  specs = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in ((128, 1280), (3584, 1280))]
-  text = fn.trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu") >= 1 and "tensor<128x3584xf32>" in text
+@pytest.mark.parametrize("kernel", ["plain", "persistent"])
+def test_mosaic_probe_kernels_lower_for_cuda(kernel):
+  """Every tile setting the probe (benchmarks/mosaic_probe.py) times at S=256 lowers."""
+  from benchmarks.mosaic_probe import candidates, products
+  for _, m, n, k in products(256, 1280, 3584):
+    specs = [jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32)]
+    settings = candidates(kernel, m, n, k)
+    assert settings
+    for _, fn in settings[:3]:
+      text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text and f"tensor<{m}x{n}xf32>" in text
