@@ -1,11 +1,12 @@
-"""How fast is a plain Pallas Mosaic-GPU TF32 matmul with K-major operands on this GPU?
+"""How fast are Pallas Mosaic-GPU TF32 matmuls with K-major operands on this GPU?
 
 The question behind a Hopper backend for TF32 (benchmarks/NOTES.md, 16-17):
 fp32 wgmma wants both operands K-major, which in our backward means
 transposed copies of the weights (and of the small `[S, ·]` activations).
 This times, per seed S, each of the backward's four products computed as
-`A[M, K] @ B[N, K].T` by one pipelined wgmma kernel, beside XLA's TF32 dot of
-the same operands and XLA's transpose of a weight. Run on the GPU:
+`A[M, K] @ B[N, K].T` by a plain pipelined wgmma kernel (one output tile per
+block) and by a persistent, warp-specialized one, beside XLA's TF32 dot of the
+same operands and XLA's transpose of a weight. Run on the GPU:
 
     python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent]
 """
@@ -31,10 +32,15 @@ TILE_K = SWIZZLE // 4
 SMEM_BYTES = 227 * 1024       # per block on Hopper
 
 
+def _k_major_tiles():
+  """Shared-memory layout of an fp32 `[rows, 32]` tile as wgmma reads it (K-major)."""
+  return (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(SWIZZLE))
+
+
 def k_major_matmul(a, b, *, tile_m, tile_n, stages):
   """`a @ b.T` for fp32 `a [M, K]`, `b [N, K]` (M, N, K multiples of the tiles) on wgmma."""
   (m, k), (n, _) = a.shape, b.shape
-  transforms = (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(SWIZZLE))
+  transforms = _k_major_tiles()
 
   def kernel(a_gmem, b_gmem, o_gmem, o_smem):
     rows = pl.ds(lax.axis_index("m") * tile_m, tile_m)
@@ -73,7 +79,7 @@ def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sm
   tile. Each of `num_sms` blocks walks the (split, m, n) tiles in turn.
   """
   (m, k), (n, _) = a.shape, b.shape
-  transforms = (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(SWIZZLE))
+  transforms = _k_major_tiles()
   block_n = 2 * tile_n
   m_iters, n_iters, k_per_split = m // tile_m, n // block_n, k // split_k
   k_iters = k_per_split // TILE_K
