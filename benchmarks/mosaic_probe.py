@@ -5,10 +5,12 @@ fp32 wgmma wants both operands K-major, which in our backward means
 transposed copies of the weights (and of the small `[S, ·]` activations).
 This times, per seed S, each of the backward's four products computed as
 `A[M, K] @ B[N, K].T` by a plain pipelined wgmma kernel (one output tile per
-block) and by a persistent, warp-specialized one, beside XLA's TF32 dot of the
+block), by a persistent, warp-specialized one, and by a plain one that takes
+B as the weights are stored (`[K, N]`) and transposes its tiles in shared
+memory, beside XLA's TF32 dot of the
 same operands and XLA's transpose of a weight. Run on the GPU:
 
-    python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent]
+    python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent transposing]
 """
 
 from __future__ import annotations
@@ -139,6 +141,49 @@ def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sm
   return partials.reshape(split_k, m, n).sum(axis=0) if split_k > 1 else partials
 
 
+def transposing_matmul(a, b, *, tile_m, tile_n, stages):
+  """`a @ b` for fp32 `a [M, K]` and an N-major `b [K, N]` (the weights' layout) on wgmma.
+
+  fp32 wgmma reads K-major operands only, and TMA cannot transpose, so each
+  `[64, tile_n]` tile of `b` goes TMA -> shared memory -> registers (WGMMA
+  layout, then WGMMA_TRANSPOSED: one shuffle per register pair) -> a K-major
+  shared buffer that wgmma reads. No transposed copy of `b` in HBM.
+  """
+  (m, k), (_, n) = a.shape, b.shape
+  tile_k = 64   # the rows of a WGMMA-layout tile
+
+  def kernel(a_gmem, b_gmem, o_gmem, o_smem, b_k_major):
+    rows = pl.ds(lax.axis_index("m") * tile_m, tile_m)
+    cols = pl.ds(lax.axis_index("n") * tile_n, tile_n)
+
+    def product(acc_ref):
+      def step(_, a_smem, b_smem):
+        tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
+        tile = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
+        plgpu.transpose_ref(b_k_major, (1, 0))[...] = tile
+        plgpu.commit_smem()
+        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_k_major, (1, 0)))
+        plgpu.wgmma_wait(0)
+
+      plgpu.emit_pipeline(
+          step, grid=(k // tile_k,), max_concurrent_steps=stages,
+          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda s: (0, s), transforms=_k_major_tiles()),
+                    plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_k_major_tiles())],
+      )(a_gmem.at[rows], b_gmem.at[:, cols])
+      return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
+    plgpu.wait_smem_to_gmem(0)
+
+  return plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
+      scratch_types=[plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=_k_major_tiles()),
+                     plgpu.SMEM((tile_n, tile_k), jnp.float32, transforms=_k_major_tiles())],
+      grid=(m // tile_m, n // tile_n), grid_names=("m", "n"))(a, b)
+
+
 def products(s, h, i):
   """The backward's four products as (name, M, N, K), all operands K-major."""
   return [("pre", s, i, h), ("input_grad", s, h, i), ("fc2_weight_grad", h, i, s),
@@ -153,6 +198,13 @@ def candidates(kernel_name, m, n, k):
       if m % tile_m == 0 and n % tile_n == 0:
         out.append((f"{tile_m}x{tile_n} st{stages}", functools.partial(
             k_major_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages)))
+    return out
+  if kernel_name == "transposing":
+    for tile_m, tile_n, stages in itertools.product((64, 128), (64, 128), (2, 3, 4)):
+      smem = 4 * (stages * 64 * (tile_m + tile_n) + tile_n * 64 + tile_m * tile_n)
+      if m % tile_m == 0 and n % tile_n == 0 and k % 64 == 0 and smem <= SMEM_BYTES:
+        out.append((f"{tile_m}x{tile_n} st{stages}", functools.partial(
+            transposing_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages)))
     return out
   splits = (1, 2, 4) if k >= 1024 else (1,)
   for tile_m, tile_n, stages, split in itertools.product((64, 128), (64, 128), (3, 4, 6), splits):
@@ -169,7 +221,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256])
   parser.add_argument("--kernels", nargs="+", default=["plain", "persistent"],
-                      choices=["plain", "persistent"])
+                      choices=["plain", "persistent", "transposing"])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584
@@ -189,16 +241,18 @@ def main():
       rows.append(dict(name=name, s=s, xla_us=x))
       for kernel_name in args.kernels:
         best = (float("inf"), None)
+        # The transposing kernel takes B as the weights are stored, [K, N].
+        operands = (a, b.T) if kernel_name == "transposing" else (a, b)
         for label, kernel in candidates(kernel_name, m, n, k):
           fn = jax.jit(kernel)
           try:
-            out = fn(a, b)
+            out = fn(*operands)
           except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
             print(f"  {name} S={s} {kernel_name} {label}: {type(e).__name__}: "
                   f"{(str(e).splitlines() or [repr(e)])[0][:160]}", flush=True)
             continue
           error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
-          us = device_times_us(fn, a, b).median_us
+          us = device_times_us(fn, *operands).median_us
           rows.append(dict(name=name, s=s, kernel=kernel_name, config=label, us=us,
                            error=error))
           best = min(best, (us, label, error))

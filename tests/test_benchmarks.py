@@ -295,12 +295,13 @@ def test_inspect_kernels_counts_instructions_per_ptx_entry():
   assert (second["mma.sync"], second["ld.global.v4"], second["wgmma"]) == (1, 1, 0)
 
 
-@pytest.mark.parametrize("kernel", ["plain", "persistent"])
+@pytest.mark.parametrize("kernel", ["plain", "persistent", "transposing"])
 def test_mosaic_probe_kernels_lower_for_cuda(kernel):
   """Every tile setting the probe (benchmarks/mosaic_probe.py) times at S=256 lowers."""
   from benchmarks.mosaic_probe import candidates, products
   for _, m, n, k in products(256, 1280, 3584):
-    specs = [jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((n, k), jnp.float32)]
+    b_shape = (k, n) if kernel == "transposing" else (n, k)
+    specs = [jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct(b_shape, jnp.float32)]
     settings = candidates(kernel, m, n, k)
     assert settings
     for _, fn in settings[:3]:
