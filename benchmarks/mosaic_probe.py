@@ -39,27 +39,20 @@ def _k_major_tiles():
   return (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(SWIZZLE))
 
 
-def k_major_matmul(a, b, *, tile_m, tile_n, stages):
-  """`a @ b.T` for fp32 `a [M, K]`, `b [N, K]` (M, N, K multiples of the tiles) on wgmma."""
-  (m, k), (n, _) = a.shape, b.shape
-  transforms = _k_major_tiles()
+def _one_tile_per_block(a, b, out_shape, *, tile_m, tile_n, accumulate, scratch_types=()):
+  """A kernel whose blocks each own one `[tile_m, tile_n]` fp32 output tile.
 
-  def kernel(a_gmem, b_gmem, o_gmem, o_smem):
+  `accumulate(acc_ref, a_gmem, b_gmem, rows, cols, *scratch_refs)` fills the
+  tile's wgmma accumulator; the tile then leaves through shared memory by TMA.
+  """
+  m, n = out_shape
+
+  def kernel(a_gmem, b_gmem, o_gmem, o_smem, *scratch_refs):
     rows = pl.ds(lax.axis_index("m") * tile_m, tile_m)
     cols = pl.ds(lax.axis_index("n") * tile_n, tile_n)
 
     def product(acc_ref):
-      def step(_, a_smem, b_smem):
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
-        plgpu.wgmma_wait(1)
-
-      plgpu.emit_pipeline(
-          step, grid=(k // TILE_K,), max_concurrent_steps=stages,
-          in_specs=[plgpu.BlockSpec((tile_m, TILE_K), lambda s: (0, s), transforms=transforms,
-                                    delay_release=1),
-                    plgpu.BlockSpec((tile_n, TILE_K), lambda s: (0, s), transforms=transforms,
-                                    delay_release=1)],
-      )(a_gmem.at[rows], b_gmem.at[cols])
+      accumulate(acc_ref, a_gmem, b_gmem, rows, cols, *scratch_refs)
       return acc_ref[...]
 
     o_smem[...] = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -69,8 +62,30 @@ def k_major_matmul(a, b, *, tile_m, tile_n, stages):
 
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-      scratch_types=[plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=transforms)],
+      scratch_types=[plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=_k_major_tiles()),
+                     *scratch_types],
       grid=(m // tile_m, n // tile_n), grid_names=("m", "n"))(a, b)
+
+
+def k_major_matmul(a, b, *, tile_m, tile_n, stages):
+  """`a @ b.T` for fp32 `a [M, K]`, `b [N, K]` (M, N, K multiples of the tiles) on wgmma."""
+  (m, k), (n, _) = a.shape, b.shape
+  transforms = _k_major_tiles()
+
+  def accumulate(acc_ref, a_gmem, b_gmem, rows, cols):
+    def step(_, a_smem, b_smem):
+      plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+      plgpu.wgmma_wait(1)
+
+    plgpu.emit_pipeline(
+        step, grid=(k // TILE_K,), max_concurrent_steps=stages,
+        in_specs=[plgpu.BlockSpec((tile_m, TILE_K), lambda s: (0, s), transforms=transforms,
+                                  delay_release=1),
+                  plgpu.BlockSpec((tile_n, TILE_K), lambda s: (0, s), transforms=transforms,
+                                  delay_release=1)],
+    )(a_gmem.at[rows], b_gmem.at[cols])
+
+  return _one_tile_per_block(a, b, (m, n), tile_m=tile_m, tile_n=tile_n, accumulate=accumulate)
 
 
 def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sms=132):
@@ -152,36 +167,24 @@ def transposing_matmul(a, b, *, tile_m, tile_n, stages):
   (m, k), (_, n) = a.shape, b.shape
   tile_k = 64   # the rows of a WGMMA-layout tile
 
-  def kernel(a_gmem, b_gmem, o_gmem, o_smem, b_k_major):
-    rows = pl.ds(lax.axis_index("m") * tile_m, tile_m)
-    cols = pl.ds(lax.axis_index("n") * tile_n, tile_n)
+  def accumulate(acc_ref, a_gmem, b_gmem, rows, cols, b_k_major):
+    def step(_, a_smem, b_smem):
+      tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
+      tile = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
+      plgpu.transpose_ref(b_k_major, (1, 0))[...] = tile
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_k_major, (1, 0)))
+      plgpu.wgmma_wait(0)
 
-    def product(acc_ref):
-      def step(_, a_smem, b_smem):
-        tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
-        tile = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
-        plgpu.transpose_ref(b_k_major, (1, 0))[...] = tile
-        plgpu.commit_smem()
-        plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_k_major, (1, 0)))
-        plgpu.wgmma_wait(0)
+    plgpu.emit_pipeline(
+        step, grid=(k // tile_k,), max_concurrent_steps=stages,
+        in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda s: (0, s), transforms=_k_major_tiles()),
+                  plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_k_major_tiles())],
+    )(a_gmem.at[rows], b_gmem.at[:, cols])
 
-      plgpu.emit_pipeline(
-          step, grid=(k // tile_k,), max_concurrent_steps=stages,
-          in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda s: (0, s), transforms=_k_major_tiles()),
-                    plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0), transforms=_k_major_tiles())],
-      )(a_gmem.at[rows], b_gmem.at[:, cols])
-      return acc_ref[...]
-
-    o_smem[...] = pl.run_scoped(product, plgpu.ACC((tile_m, tile_n), jnp.float32))
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[rows, cols])
-    plgpu.wait_smem_to_gmem(0)
-
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n), jnp.float32),
-      scratch_types=[plgpu.SMEM((tile_m, tile_n), jnp.float32, transforms=_k_major_tiles()),
-                     plgpu.SMEM((tile_n, tile_k), jnp.float32, transforms=_k_major_tiles())],
-      grid=(m // tile_m, n // tile_n), grid_names=("m", "n"))(a, b)
+  return _one_tile_per_block(
+      a, b, (m, n), tile_m=tile_m, tile_n=tile_n, accumulate=accumulate,
+      scratch_types=[plgpu.SMEM((tile_n, tile_k), jnp.float32, transforms=_k_major_tiles())])
 
 
 def products(s, h, i):

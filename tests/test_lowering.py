@@ -84,7 +84,7 @@ def test_xla_weight_products_lower_to_one_launch_and_two_dots(mode):
   config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
                                k_major_weights=False)
   text = lower_for_cuda(problem, config=config)
-  assert text.count(TRITON_CALL) == 1 + (config.cast_inputs and config.fused_casts)
+  assert text.count(TRITON_CALL) == 1 + casts_launches(config, mode)
   assert text.count("stablehlo.dot_general") == 2
 
 
