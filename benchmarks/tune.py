@@ -191,6 +191,7 @@ def config_neighbours(config, s, sixteen_bit):
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
   flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
       "k_major_weight_grads", "k_major_weights", "xla_weight_products")
+  flags += ("sum_splits_in_kernel",)
   if sixteen_bit and config.cast_inputs:   # fused_casts changes nothing without cast_inputs
     flags += ("fused_casts",)
   changes = [{flag: not getattr(config, flag)} for flag in flags]

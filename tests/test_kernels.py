@@ -92,35 +92,42 @@ def test_results_are_bitwise_deterministic():
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
-@pytest.mark.parametrize("split_k,tiles_per_program", [(1, 1), (3, 1), (1, 3), (2, 2)])
+@pytest.mark.parametrize("split_k,tiles_per_program,in_kernel", [
+    (1, 1, False), (3, 1, False), (1, 3, False), (2, 2, False), (3, 1, True), (2, 2, True)])
 def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k,
-                                                                  tiles_per_program):
+                                                                  tiles_per_program, in_kernel):
   m, n, k = 37, 45 + 40 * tiles_per_program, 70  # n-block count not a multiple of the group
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
   b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
-  poisoned = jnp.full((split_k * m, n), jnp.nan, jnp.float32)
+  # Split partials summed in the kernel leave the product as the first output.
+  poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
   tile = TileConfig(16, 32, 16, split_k=split_k, tiles_per_program=tiles_per_program)
   product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
                                        transpose_a=transpose_a, row_sums=True, out=poisoned,
-                                       interpret=True)
+                                       sum_splits_in_kernel=in_kernel, interpret=True)
   op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
   np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("split_k", [1, 3])
-def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k):
+@pytest.mark.parametrize("split_k,in_kernel", [(1, False), (3, False), (3, True)])
+def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k, in_kernel):
   m, n, k = 37, 85, 70
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m))                          # stored [K, M]
   b = jax.random.normal(jax.random.fold_in(key, 1), (n, k))   # stored [N, K]
   product = kernels.Product(m, n, k, TileConfig(16, 32, 16, split_k=split_k),
                             jnp.dtype(jnp.float32), transpose_a=True, transpose_b=True,
-                            store_transposed=True, row_sums=True)
-  poisoned = jnp.full((split_k * n, m), jnp.nan, jnp.float32)
-  [(stored, sums)] = kernels.grouped_launch([product], [(a, b)], mode=DotMode.F32, out=poisoned,
-                                            interpret=True)
+                            store_transposed=True, row_sums=True, sum_splits_in_kernel=in_kernel)
+  # The counters come from a Zeros job of an earlier launch, as in the backward.
+  [counters] = kernels.grouped_launch([kernels.Zeros(product.tiles, block=16)], [()],
+                                      mode=DotMode.F32, interpret=True)
+  assert counters.shape == (product.tiles,) and not counters.any()
+  operands = (a, b, counters) if in_kernel else (a, b)
+  poisoned = jnp.full(((1 if in_kernel else split_k) * n, m), jnp.nan, jnp.float32)
+  [(stored, sums)] = kernels.grouped_launch([product], [operands], mode=DotMode.F32,
+                                            out=poisoned, interpret=True)
   op_a = np.asarray(a, np.float64).T
   assert stored.shape == (n, m)
   np.testing.assert_allclose(stored, (op_a @ np.asarray(b, np.float64).T).T, rtol=1e-5, atol=1e-4)
@@ -180,7 +187,10 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
     dict(weights_on_left=True, k_major_weight_grads=True, group_launches=False),
     dict(cast_inputs=True, fused_casts=True, weights_on_left=True),
     dict(xla_weight_products=True, k_major_weight_grads=True),
-    dict(cast_inputs=True, fused_casts=True, xla_weight_products=True)], ids=str)
+    dict(cast_inputs=True, fused_casts=True, xla_weight_products=True),
+    dict(sum_splits_in_kernel=True), dict(sum_splits_in_kernel=True, group_launches=False),
+    dict(sum_splits_in_kernel=True, weights_on_left=True),
+    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem

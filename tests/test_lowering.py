@@ -115,3 +115,16 @@ def test_several_tiles_per_program_lower():
       pre_activation=dataclasses.replace(config.pre_activation, tiles_per_program=2))
   assert (lower_for_cuda(problem, config=config).count(TRITON_CALL)
           == 2 + casts_launches(config, problem.mode))
+
+
+@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
+@pytest.mark.parametrize("tokens", [64, 131, 256])
+def test_splits_summed_in_kernel_lower_without_the_reduction(tokens, mode):
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=False)
+  after = lower_for_cuda(problem, config=dataclasses.replace(config, sum_splits_in_kernel=False))
+  within = lower_for_cuda(problem, config=dataclasses.replace(config, sum_splits_in_kernel=True))
+  launches = 2 + casts_launches(config, mode)
+  assert (after.count(TRITON_CALL), within.count(TRITON_CALL)) == (launches, launches)
+  # the split partials' reduction leaves XLA; the bias sums stay
+  assert within.count("stablehlo.reduce") == after.count("stablehlo.reduce") - 1

@@ -5,6 +5,9 @@ Launch 1: `grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`
 grad_output.T @ gelu_output` (with `grad_fc2_bias` summed from the same tiles).
 Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 `grad_fc1_weight = grad_fc1_output.T @ hidden_state` (with `grad_fc1_bias`).
+The input gradient's contraction (K = I) is split; its partials are summed
+after launch 2 or, with `Config.sum_splits_in_kernel`, by the last program of
+each tile (counters zeroed in launch 1).
 `Config.group_launches=False` runs the four products as four launches.
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
@@ -25,7 +28,7 @@ import jax.numpy as jnp
 
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
-from vision_mlp_bwd.backends.triton.kernels import Cast, Product, grouped_launch
+from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Zeros, grouped_launch
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import input_grad, pre_activation_grad
 
@@ -71,16 +74,20 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
 
-  def by_weight(tile, dtype, x, weight, gelu_input=None):
-    """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`)."""
-    (m, k), n = x.shape, weight.shape[0 if config.k_major_weights else 1]
-    gelu = dict(fuse_gelu=gelu_input is not None)
-    extra = () if gelu_input is None else (gelu_input,)
+  def by_weight(tile, dtype, x, weight, gelu_input=None, counters=None):
+    """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`).
+
+    `x` may be a shape only, for the Product alone; `counters` are its arrival
+    counters (`Product.sum_splits_in_kernel`)."""
+    (m, k), n = getattr(x, "shape", x), weight.shape[0 if config.k_major_weights else 1]
+    options = dict(fuse_gelu=gelu_input is not None,
+                   sum_splits_in_kernel=config.sum_splits_in_kernel)
+    extra = tuple(e for e in (gelu_input, counters) if e is not None)
     if config.weights_on_left:  # the weight is the left operand of C.T, [N, S]
       return (Product(n, m, k, tile, dtype, transpose_a=not config.k_major_weights,
-                      transpose_b=True, store_transposed=True, lhs_in_registers=True, **gelu),
+                      transpose_b=True, store_transposed=True, lhs_in_registers=True, **options),
               (weight, x, *extra))
-    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **gelu),
+    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **options),
             (x, weight, *extra))
 
   def weight_grad(g, z):
@@ -105,15 +112,21 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
          weight_grad(grad_pre, acts["hidden_state"])], "mlp_backward_weight_grads")
     grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
   else:
-    # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1.
-    grad_pre, (grad_fc2_weight, grad_fc2_bias), *cast = launch([
+    # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
+    # (and the zeroed arrival counters of its split input gradient, if any).
+    input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
+    counters = ([(Zeros(input_grad_product.tiles), ())]
+                if input_grad_product.counts_arrivals else [])
+    grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
         by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
         weight_grad(acts["grad_output"], acts["gelu_output"]),
         *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
+        *counters,
     ], "mlp_backward_1")
-    acts.update(zip(late, cast))
+    acts.update(zip(late, rest))
     grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
-        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight),
+        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
+                  counters=rest[-1] if counters else None),
         weight_grad(grad_pre, acts["hidden_state"]),
     ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),

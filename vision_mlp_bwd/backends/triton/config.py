@@ -81,6 +81,10 @@ class Config:
   # bias sums, both in one launch (whose warps and stages are weight_grads').
   # Measured 4-36% slower at TF32 S=211-256 (benchmarks/NOTES.md, 15).
   xla_weight_products: bool = False
+  # Split contractions (the input gradient's) summed by the last program of
+  # each output tile, in split order, instead of in a reduction after the
+  # launch (`kernels.Product.sum_splits_in_kernel`).
+  sum_splits_in_kernel: bool = False
 
   def __post_init__(self):
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):

@@ -66,6 +66,11 @@ class Product:
   fuse_gelu: bool = False
   row_sums: bool = False
   lhs_in_registers: bool = False   # see precision.kernel_dot
+  # With split_k > 1: the last program to finish an output tile sums its
+  # partials (in split order, so bit for bit the same whichever is last) and
+  # stores the product, instead of a reduction after the launch. The programs
+  # count arrivals per tile in an int32 input of zeros (`Zeros`).
+  sum_splits_in_kernel: bool = False
 
   @property
   def grid(self):
@@ -84,12 +89,26 @@ class Product:
     return gm * gn * gk
 
   @property
+  def tiles(self) -> int:
+    """Output tiles, each the sum of `split_k` partial products."""
+    return pl.cdiv(self.m, self.tile.block_m) * pl.cdiv(self.n, self.tile.block_n)
+
+  @property
+  def counts_arrivals(self) -> bool:
+    return self.sum_splits_in_kernel and self.tile.split_k > 1
+
+  @property
   def num_inputs(self) -> int:
-    return 3 if self.fuse_gelu else 2
+    return 2 + self.fuse_gelu + self.counts_arrivals   # ..., arrival counters
 
   @property
   def num_outputs(self) -> int:
-    return 1 + self.row_sums
+    return 1 + self.row_sums + 2 * self.counts_arrivals   # ..., partials, counters
+
+  @property
+  def aliases(self) -> dict[int, int]:
+    """Inputs that are also outputs (by index within the job): the arrival counters."""
+    return {self.num_inputs - 1: self.num_outputs - 1} if self.counts_arrivals else {}
 
   def check(self, operands):
     a, b = operands[0], operands[1]
@@ -97,26 +116,33 @@ class Product:
     assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
     assert len(operands) == self.num_inputs, self
     assert not (self.fuse_gelu and self.tile.split_k > 1), self
+    if self.counts_arrivals:
+      assert operands[-1].shape == (self.tiles,) and operands[-1].dtype == jnp.int32, operands[-1]
 
-  def run(self, program, in_refs, out_refs, mode: DotMode):
-    _product_program(self, program, in_refs, out_refs, mode)
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    _product_program(self, program, in_refs, out_refs, mode, interpret)
 
   def finish(self, outs):
     """The launch's outputs of this product -> the product (and row sums)."""
     product, split = outs[0], self.tile.split_k
-    if split > 1:
+    if split > 1 and not self.counts_arrivals:
       product = product.reshape(split, *self.stored_shape).sum(axis=0).astype(self.out_dtype)
     if self.row_sums:
       return product, outs[1].reshape(split, self.m).sum(axis=0)
     return product
 
   def out_shapes(self, like):
-    split = self.tile.split_k
-    dtype = jnp.float32 if split > 1 else self.out_dtype
+    split, arrivals = self.tile.split_k, self.counts_arrivals
     rows, cols = self.stored_shape
-    shapes = [_out_struct((split * rows, cols), dtype, like)]
+    if split == 1 or arrivals:
+      shapes = [_out_struct((rows, cols), self.out_dtype, like)]
+    else:
+      shapes = [_out_struct((split * rows, cols), jnp.float32, like)]
     if self.row_sums:
       shapes.append(_out_struct((split * self.m,), jnp.float32, like))
+    if arrivals:
+      shapes += [_out_struct((split * rows, cols), jnp.float32, like),
+                 _out_struct((self.tiles,), jnp.int32, like)]
     return shapes
 
 
@@ -130,6 +156,7 @@ class Cast:
 
   num_inputs = 1
   num_outputs = 1
+  aliases = {}
 
   @property
   def size(self) -> int:
@@ -145,8 +172,8 @@ class Cast:
   def out_shapes(self, like):
     return [_out_struct((self.size,), self.out_dtype, like)]
 
-  def run(self, program, in_refs, out_refs, mode: DotMode):
-    del mode
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
     indices, mask = _span(program, self.block, self.size)
     x = plgpu.load(in_refs[0].at[indices], mask=mask, other=0.0)
     plgpu.store(out_refs[0].at[indices], x.astype(out_refs[0].dtype), mask=mask)
@@ -155,9 +182,39 @@ class Cast:
     return outs[0].reshape(self.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Zeros:
+  """An int32 `[size]` array of zeros: the arrival counters of a later launch's product."""
+
+  size: int
+  block: int = 1024
+
+  num_inputs = 0
+  num_outputs = 1
+  aliases = {}
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.size, self.block)
+
+  def check(self, operands):
+    assert not operands, operands
+
+  def out_shapes(self, like):
+    return [_out_struct((self.size,), jnp.int32, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del in_refs, mode, interpret
+    indices, mask = _span(program, self.block, self.size)
+    plgpu.store(out_refs[0].at[indices], jnp.zeros((self.block,), jnp.int32), mask=mask)
+
+  def finish(self, outs):
+    return outs[0]
+
+
 def _out_struct(shape, dtype, like):
   """An output varying over the same `shard_map` axes as `like` (Pallas checks that)."""
-  mat = getattr(jax.typeof(like), "mat", None)
+  mat = None if like is None else getattr(jax.typeof(like), "mat", None)
   if mat is not None:
     try:
       return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
@@ -178,23 +235,24 @@ def _load(ref, rows, row_mask, cols, col_mask):
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
-def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode):
+def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, interpret: bool):
   """The work of program number `program` of product `p`: its output tiles in turn."""
   gm, gn, _ = p.grid
   pid_m, group, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
   first_n = group * p.tile.tiles_per_program
   if p.tile.tiles_per_program == 1:
-    _output_tile(p, pid_m, first_n, pid_k, in_refs, out_refs, mode)
+    _output_tile(p, pid_m, first_n, pid_k, in_refs, out_refs, mode, interpret)
   else:
     @pl.loop(0, p.tile.tiles_per_program)
     def _(j):
-      _output_tile(p, pid_m, first_n + j, pid_k, in_refs, out_refs, mode)
+      _output_tile(p, pid_m, first_n + j, pid_k, in_refs, out_refs, mode, interpret)
 
 
-def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode):
+def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode,
+                 interpret: bool):
   """One output tile (one split of its contraction), stored; masked at every edge."""
   a_ref, b_ref, *x_ref = in_refs
-  out_ref, *row_sum_ref = out_refs
+  out_ref, *row_sum_ref = out_refs[:1 + p.row_sums]
   t = p.tile
   rows, row_mask = _span(pid_m, t.block_m, p.m)
   cols, col_mask = _span(pid_n, t.block_n, p.n)
@@ -226,9 +284,15 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   if p.fuse_gelu:
     x = _load(x_ref[0], rows, row_mask, cols, col_mask)
     acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
-  out_rows = pid_k * p.stored_shape[0] + rows
-  plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-              mask=row_mask[:, None] & col_mask[None, :])
+  tile_mask = row_mask[:, None] & col_mask[None, :]
+  if p.counts_arrivals:
+    partial_ref, counter_ref = out_refs[-2:]
+    _sum_splits_when_last(p, pid_m + pl.cdiv(p.m, t.block_m) * pid_n, pid_k, acc, rows, cols,
+                          tile_mask, out_ref, partial_ref, counter_ref, interpret)
+  else:
+    out_rows = pid_k * p.stored_shape[0] + rows
+    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
+                mask=tile_mask)
   if p.row_sums:
     m_rows, m_mask = (cols, col_mask) if p.store_transposed else (rows, row_mask)
     @pl.when(pid_n == 0)
@@ -236,7 +300,31 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       plgpu.store(row_sum_ref[0].at[pid_k * p.m + m_rows], sums, mask=m_mask)
 
 
-def _grouped_kernel(*refs, jobs, mode, aliased):
+def _sum_splits_when_last(p: Product, tile_index, pid_k, acc, rows, cols, mask, out_ref,
+                          partial_ref, counter_ref, interpret):
+  """Stores this split's partial tile; the tile's last program to arrive sums all of them.
+
+  The barrier orders every thread's partial store before the counter's
+  acquire-release increment (GPU scope), as CUTLASS's semaphores do; the sum
+  runs in split order, so its bits do not depend on which program came last.
+  """
+  split_rows = p.stored_shape[0]
+  def at(split):
+    return (split * split_rows + rows)[:, None], cols[None, :]
+  plgpu.store(partial_ref.at[at(pid_k)], acc, mask=mask)
+  if not interpret:  # programs run one after another there
+    plgpu.debug_barrier()
+  arrived = plgpu.atomic_add(counter_ref, (tile_index,), jnp.int32(1))
+
+  @pl.when(arrived == p.tile.split_k - 1)
+  def _():
+    total = plgpu.load(partial_ref.at[at(0)], mask=mask, other=0.0)
+    for split in range(1, p.tile.split_k):
+      total += plgpu.load(partial_ref.at[at(split)], mask=mask, other=0.0)
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], total.astype(out_ref.dtype), mask=mask)
+
+
+def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
   n_in = sum(job.num_inputs for job in jobs)
   in_refs, out_refs = refs[:n_in], refs[n_in + aliased:]
   pid = pl.program_id(0)
@@ -245,21 +333,21 @@ def _grouped_kernel(*refs, jobs, mode, aliased):
     ins, in_refs = in_refs[:job.num_inputs], in_refs[job.num_inputs:]
     outs, out_refs = out_refs[:job.num_outputs], out_refs[job.num_outputs:]
     if len(jobs) == 1:
-      job.run(pid, ins, outs, mode)
+      job.run(pid, ins, outs, mode, interpret)
     else:
       @pl.when((pid >= first) & (pid < first + job.programs))
       def _(job=job, ins=ins, outs=outs, first=first):
-        job.run(pid - first, ins, outs, mode)
+        job.run(pid - first, ins, outs, mode, interpret)
     first += job.programs
 
 
 def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
                    name="grouped_launch"):
-  """Runs `jobs` (`Product`s and `Cast`s, with `operands[i]` for each) in one launch.
+  """Runs `jobs` (`Product`s, `Cast`s, `Zeros`, with `operands[i]` for each) in one launch.
 
   Returns, per job: for a product, the product `[M, N]` in its `out_dtype`
   (split contractions summed in fp32 first), or `(product, row_sums [M])`
-  where it asks for row sums; for a cast, the cast array. `out`, if given, is
+  where it asks for row sums; for a cast or zeros, the array. `out`, if given, is
   the buffer the first job writes its first output into (aliased); tests pass
   a NaN-filled one to prove that every element is written. Warps and
   pipeline depth are the first product's.
@@ -273,18 +361,20 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
   inputs = list(match_varying_axes(*inputs))
   if out is not None:
     *inputs, out = inputs
-  out_shapes = [s for job in jobs for s in job.out_shapes(like=inputs[0])]
+  like = inputs[0] if inputs else None
+  out_shapes = [s for job in jobs for s in job.out_shapes(like=like)]
   if out is not None:
     assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
   _filter_triton_deprecation()
   tiles = [job.tile for job in jobs if isinstance(job, Product)]
   warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (4, 1)
   outs = pl.pallas_call(
-      functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None),
+      functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None,
+                        interpret=interpret),
       out_shape=out_shapes,
       grid=(sum(job.programs for job in jobs),),
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-      input_output_aliases={len(inputs): 0} if out is not None else {},
+      input_output_aliases=_aliases(jobs, extra_input=len(inputs) if out is not None else None),
       interpret=interpret,
       name=name,
   )(*inputs, *([out] if out is not None else []))
@@ -295,14 +385,28 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
   return results
 
 
+def _aliases(jobs, extra_input=None):
+  """pallas_call's input -> output aliases: each job's own, and `extra_input` -> output 0."""
+  aliases, first_in, first_out = {}, 0, 0
+  for job in jobs:
+    aliases.update({first_in + i: first_out + o for i, o in job.aliases.items()})
+    first_in, first_out = first_in + job.num_inputs, first_out + job.num_outputs
+  if extra_input is not None:
+    aliases[extra_input] = 0
+  return aliases
+
+
 def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_a=False,
-                 gelu_input=None, row_sums=False, out=None, interpret=False,
-                 name="tiled_matmul"):
+                 gelu_input=None, row_sums=False, sum_splits_in_kernel=False, out=None,
+                 interpret=False, name="tiled_matmul"):
   """One product in its own launch; see `Product` and `grouped_launch`."""
   k, m = a.shape if transpose_a else a.shape[::-1]
   product = Product(m, b.shape[1], k, tile, jnp.dtype(out_dtype), transpose_a=transpose_a,
-                    fuse_gelu=gelu_input is not None, row_sums=row_sums)
+                    fuse_gelu=gelu_input is not None, row_sums=row_sums,
+                    sum_splits_in_kernel=sum_splits_in_kernel)
   operands = (a, b) if gelu_input is None else (a, b, gelu_input)
+  if product.counts_arrivals:
+    operands += (jnp.zeros((product.tiles,), jnp.int32),)
   [result] = grouped_launch([product], [operands], mode=mode, interpret=interpret, out=out,
                             name=name)
   return result
