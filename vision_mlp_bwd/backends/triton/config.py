@@ -83,7 +83,9 @@ class Config:
   xla_weight_products: bool = False
   # Split contractions (the input gradient's) summed by the last program of
   # each output tile, in split order, instead of in a reduction after the
-  # launch (`kernels.Product.sum_splits_in_kernel`).
+  # launch (`kernels.Product.sum_splits_in_kernel`). -1.3 to -1.7 us at F16
+  # S=211-256, 1-8% slower where one small program sums 8 partials
+  # (benchmarks/NOTES.md, 18).
   sum_splits_in_kernel: bool = False
 
   def __post_init__(self):
@@ -110,9 +112,9 @@ _SIXTEEN_BIT_TABLE = (
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,
             fused_casts=True)),                                                  # S=131
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
-            fused_casts=True)),
+            fused_casts=True, sum_splits_in_kernel=True)),
     (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
-            cast_inputs=True, fused_casts=True)),
+            cast_inputs=True, fused_casts=True, sum_splits_in_kernel=True)),
     (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
              cast_inputs=True, cast_weights=True)),
     (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
