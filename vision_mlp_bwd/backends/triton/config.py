@@ -84,8 +84,8 @@ class Config:
   # Split contractions (the input gradient's) summed by the last program of
   # each output tile, in split order, instead of in a reduction after the
   # launch (`kernels.Product.sum_splits_in_kernel`). -1.3 to -1.7 us at F16
-  # S=211-256, 1-8% slower where one small program sums 8 partials
-  # (benchmarks/NOTES.md, 18).
+  # S=211-256, -0.2 to -0.6 at TF32 S=128; 1-8% slower where one small
+  # program sums 8 partials (benchmarks/NOTES.md, 18).
   sum_splits_in_kernel: bool = False
 
   def __post_init__(self):
@@ -123,7 +123,7 @@ _SIXTEEN_BIT_TABLE = (
 _THIRTY_TWO_BIT_TABLE = (
     (64, C(T(32, 64, 64, num_stages=4), T(128, 64, 64), T(32, 128, 32, split_k=8))),
     (128, C(T(32, 64, 32, num_warps=2), T(64, 128, 32, num_warps=2),
-            T(64, 64, 64, split_k=4, num_warps=2))),
+            T(64, 64, 64, split_k=4, num_warps=2), sum_splits_in_kernel=True)),
     (160, C(T(32, 128, 32, num_warps=2, num_stages=4), T(128, 64, 16),
             T(32, 256, 32, split_k=8, num_warps=2))),                            # S=131
     (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
