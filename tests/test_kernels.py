@@ -93,10 +93,11 @@ def test_results_are_bitwise_deterministic():
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("split_k,tiles_per_program,in_kernel", [
-    (1, 1, False), (3, 1, False), (1, 3, False), (2, 2, False), (3, 1, True), (2, 2, True)])
+    (1, 1, False), (3, 1, False), (1, 3, False), (2, 2, False), (3, 1, True), (2, 2, True),
+    (2, 3, True)])
 def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k,
                                                                   tiles_per_program, in_kernel):
-  m, n, k = 37, 45 + 40 * tiles_per_program, 70  # n-block count not a multiple of the group
+  m, n, k = 37, 32 * tiles_per_program + 5, 70  # tiles_per_program + 1 n blocks: a ragged group
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
   b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))

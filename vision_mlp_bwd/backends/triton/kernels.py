@@ -90,8 +90,9 @@ class Product:
 
   @property
   def tiles(self) -> int:
-    """Output tiles, each the sum of `split_k` partial products."""
-    return pl.cdiv(self.m, self.tile.block_m) * pl.cdiv(self.n, self.tile.block_n)
+    """Output tile slots: the grid's (m, n) tiles, including any past N in a program's last group."""
+    gm, gn, _ = self.grid
+    return gm * gn * self.tile.tiles_per_program
 
   @property
   def counts_arrivals(self) -> bool:
