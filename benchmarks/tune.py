@@ -136,6 +136,7 @@ def variant_config(config, name):
   `role.field` reaches into that role's TileConfig)."""
   if name in VARIANTS:
     return dataclasses.replace(config, **VARIANTS[name])
+  changes = {}   # applied at once: Config checks combinations of fields
   for item in name.split(","):
     path, _, value = item.partition("=")
     role, _, field = path.rpartition(".")
@@ -143,11 +144,11 @@ def variant_config(config, name):
       raise SystemExit(f"--variants: {item!r} is neither a name of {sorted(VARIANTS)} "
                        "nor FIELD=VALUE / ROLE.FIELD=VALUE of Config and TileConfig")
     if role:
-      tile = dataclasses.replace(getattr(config, role), **{field: int(value)})
-      config = dataclasses.replace(config, **{role: tile})
+      changes[role] = dataclasses.replace(changes.get(role, getattr(config, role)),
+                                          **{field: int(value)})
     else:
-      config = dataclasses.replace(config, **{field: bool(int(value))})
-  return config
+      changes[field] = bool(int(value))
+  return dataclasses.replace(config, **changes)
 
 
 def compare_variants(seq_lens, modes, names, h, i, iterations):
