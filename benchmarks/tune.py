@@ -73,18 +73,16 @@ _AXES = {
 }
 
 
-def neighbours(role, tile, s, weights_on_left=False, split_pre_activation=False):
+def neighbours(role, tile, s, weights_on_left=False):
   """Tiles one step away from `tile` along one axis (coordinate search).
 
   The S side of a product with a weight (block_m, or block_n when the
-  product is computed transposed, `Config.weights_on_left`) stays <= S. The
-  pre-activation product splits only where the kernel sums its splits
-  (`Config.sum_splits_in_kernel`: its GELU epilogue needs the whole sum).
+  product is computed transposed, `Config.weights_on_left`) stays <= S.
   """
   out = []
   s_axis = None if role == "weight_grads" else "block_n" if weights_on_left else "block_m"
   for axis, values in _AXES.items():
-    if axis == "split_k" and role == "pre_activation" and not split_pre_activation:
+    if axis == "split_k" and role == "pre_activation":
       continue
     if axis == s_axis:
       values = tuple(v for v in values if v <= _pow2_at_least(s))
@@ -177,7 +175,7 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
 # The grouped launches take warps and pipeline depth from their first product
 # (pre_activation, input_grad), so the weight-gradient tile searches neither.
 _LAUNCH_AXES = {
-    "pre_activation": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
+    "pre_activation": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
     "weight_grads": ("block_m", "block_n", "block_k"),
     "input_grad": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
 }
@@ -187,8 +185,7 @@ def config_neighbours(config, s, sixteen_bit):
   """Configs one step from `config` along one axis of one role, or one layout flag flipped."""
   out = []
   for role, axes in _LAUNCH_AXES.items():
-    for tile in neighbours(role, getattr(config, role), s, config.weights_on_left,
-                           split_pre_activation=config.sum_splits_in_kernel):
+    for tile in neighbours(role, getattr(config, role), s, config.weights_on_left):
       changed = [a for a in axes if getattr(tile, a) != getattr(getattr(config, role), a)]
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))

@@ -99,33 +99,26 @@ def test_tf32_layouts_are_as_accurate_as_the_plain_one(variant):
     assert err <= 1.1 * plain_err + 1e-7, f"{out_name}: {err:.2e} vs {plain_err:.2e} plain"
 
 
-@pytest.mark.parametrize("tokens", [64, 128, 131, 211])
+@pytest.mark.parametrize("tokens", [128, 131, 211])
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=str)
 def test_splits_summed_in_kernel_are_deterministic_and_match(tokens, mode):
   """The last program of each tile sums the split partials (integer arrival counters): the
   result must not depend on which program came last, and must equal the reduction after
-  the launch up to fp32 summation order (and, for the pre-GELU gradient stored in f16,
-  an ulp where that order flips a rounding). Also with the pre-activation product split."""
+  the launch up to fp32 summation order."""
   import dataclasses
 
   from vision_mlp_bwd.backends import triton as triton_backend
   inputs = helpers.backward_inputs(tokens, 1280, 3584)
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = dataclasses.replace(default_config(problem), sum_splits_in_kernel=False)
+  config = default_config(problem)
   assert config.input_grad.split_k > 1, config
-  variants = {
-      "after": config,
-      "in kernel": dataclasses.replace(config, sum_splits_in_kernel=True),
-      "pre split": dataclasses.replace(config, sum_splits_in_kernel=True, pre_activation=(
-          dataclasses.replace(config.pre_activation, split_k=2)))}
   outs = {}
-  for name, c in variants.items():
+  for in_kernel in (False, True):
+    c = dataclasses.replace(config, sum_splits_in_kernel=in_kernel)
     run = jax.jit(lambda *a, c=c: triton_backend.backward(*a, problem=problem, config=c))
-    outs[name] = jax.device_get(run(*inputs))
+    outs[in_kernel] = jax.device_get(run(*inputs))
     for _ in range(5):
-      for a, b in zip(outs[name], jax.device_get(run(*inputs))):
+      for a, b in zip(outs[in_kernel], jax.device_get(run(*inputs))):
         np.testing.assert_array_equal(a, b)
-  tolerance = 1e-6 if mode == DotMode.TF32 else 2e-5
-  for name in ("in kernel", "pre split"):
-    for out_name, a, b in zip(helpers.OUT_NAMES, outs["after"], outs[name]):
-      assert helpers.relative_error(b, a) < tolerance, (name, out_name)
+  for name, a, b in zip(helpers.OUT_NAMES, outs[False], outs[True]):
+    assert helpers.relative_error(b, a) < 1e-6, name

@@ -88,14 +88,6 @@ def test_xla_weight_products_lower_to_one_launch_and_two_dots(mode):
   assert text.count("stablehlo.dot_general") == 2
 
 
-def test_split_pre_activation_needs_the_in_kernel_sum():
-  problem = Problem(64, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
-  config = triton_backend.default_config(problem)
-  with pytest.raises(ValueError, match="sum_splits_in_kernel"):
-    dataclasses.replace(config, sum_splits_in_kernel=False, pre_activation=dataclasses.replace(
-        config.pre_activation, split_k=2))
-
-
 def test_xla_weight_products_exclude_kernel_weight_layouts():
   problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
   with pytest.raises(ValueError, match="xla_weight_products"):
@@ -136,15 +128,3 @@ def test_splits_summed_in_kernel_lower_without_the_reduction(tokens, mode):
   assert (after.count(TRITON_CALL), within.count(TRITON_CALL)) == (launches, launches)
   # the split partials' reduction leaves XLA; the bias sums stay
   assert within.count("stablehlo.reduce") == after.count("stablehlo.reduce") - 1
-
-
-@pytest.mark.parametrize("mode,tokens,launches", [(DotMode.TF32, 64, 3), (DotMode.TF32, 128, 3),
-                                                  (DotMode.F16, 64, 3), (DotMode.F16, 128, 3)],
-                         ids=str)
-def test_split_pre_activation_lowers_with_counters_zeroed_before_launch_1(mode, tokens, launches):
-  """The counters ride in the casts launch where there is one (F16 S=128), else get one."""
-  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = triton_backend.default_config(problem)
-  config = dataclasses.replace(config, sum_splits_in_kernel=True, pre_activation=dataclasses.replace(
-      config.pre_activation, split_k=2))
-  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == launches

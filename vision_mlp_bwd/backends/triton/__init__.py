@@ -7,9 +7,7 @@ Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 `grad_fc1_weight = grad_fc1_output.T @ hidden_state` (with `grad_fc1_bias`).
 The input gradient's contraction (K = I) is split; its partials are summed
 after launch 2 or, with `Config.sum_splits_in_kernel`, by the last program of
-each tile (counters zeroed in launch 1). With that flag the pre-activation
-product may be split too: its last program per tile applies the GELU
-derivative (counters zeroed in a launch before launch 1).
+each tile (counters zeroed in launch 1).
 `Config.group_launches=False` runs the four products as four launches.
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
@@ -64,6 +62,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       early = list(acts)
     else:
       early, late = ["grad_output", "gelu_output"], ["hidden_state"]
+  if early:
+    acts.update(zip(early, run([Cast(acts[n].shape, operand_dtype) for n in early],
+                               [(acts[n],) for n in early], name="mlp_backward_casts")))
   if operand_dtype is not None and config.cast_weights:
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
@@ -103,19 +104,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
     return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
 
-  def prologue(zeros=None):
-    """The launch before launch 1, if any: the `early` casts, and zeroed arrival counters
-    for a split product of launch 1 (`zeros`, a Product). Returns those counters."""
-    jobs = [(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in early]
-    jobs += [(Zeros(zeros.tiles), ())] if zeros is not None and zeros.counts_arrivals else []
-    if not jobs:
-      return None
-    results = run([j for j, _ in jobs], [o for _, o in jobs], name="mlp_backward_casts")
-    acts.update(zip(early, results))
-    return results[-1] if len(results) > len(early) else None
-
   if config.xla_weight_products:
-    prologue()
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
     (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
@@ -125,15 +114,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
     # (and the zeroed arrival counters of its split input gradient, if any).
-    pre_product, _ = by_weight(config.pre_activation, pre_dtype, grad_output.shape, fc2_weight,
-                               fc1_output)
-    pre_counters = prologue(zeros=pre_product)
     input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
     counters = ([(Zeros(input_grad_product.tiles), ())]
                 if input_grad_product.counts_arrivals else [])
     grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
-        by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output,
-                  counters=pre_counters),
+        by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
         weight_grad(acts["grad_output"], acts["gelu_output"]),
         *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
         *counters,

@@ -83,17 +83,12 @@ class Config:
   xla_weight_products: bool = False
   # Split contractions (the input gradient's) summed by the last program of
   # each output tile, in split order, instead of in a reduction after the
-  # launch (`kernels.Product.sum_splits_in_kernel`); then the pre-activation
-  # product may be split too (its GELU epilogue follows the sum; counters
-  # zeroed in the casts launch, or one of their own). -1.3 to -1.7 us at F16
+  # launch (`kernels.Product.sum_splits_in_kernel`). -1.3 to -1.7 us at F16
   # S=211-256, -0.2 to -0.6 at TF32 S=128; 1-8% slower where one small
   # program sums 8 partials (benchmarks/NOTES.md, 18).
   sum_splits_in_kernel: bool = False
 
   def __post_init__(self):
-    if self.pre_activation.split_k > 1 and not self.sum_splits_in_kernel:
-      raise ValueError("Config.pre_activation.split_k > 1 needs sum_splits_in_kernel: the GELU "
-                       "epilogue runs on the summed partials, inside the kernel.")
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")

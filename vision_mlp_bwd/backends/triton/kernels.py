@@ -116,8 +116,7 @@ class Product:
     assert a.shape == ((self.k, self.m) if self.transpose_a else (self.m, self.k)), (self, a.shape)
     assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
     assert len(operands) == self.num_inputs, self
-    # a split product applies the epilogue once its partials are summed, in the kernel
-    assert not (self.fuse_gelu and self.tile.split_k > 1 and not self.counts_arrivals), self
+    assert not (self.fuse_gelu and self.tile.split_k > 1), self
     if self.counts_arrivals:
       assert operands[-1].shape == (self.tiles,) and operands[-1].dtype == jnp.int32, operands[-1]
 
@@ -253,7 +252,7 @@ def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, inte
 def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode,
                  interpret: bool):
   """One output tile (one split of its contraction), stored; masked at every edge."""
-  a_ref, b_ref = in_refs[:2]
+  a_ref, b_ref, *x_ref = in_refs
   out_ref, *row_sum_ref = out_refs[:1 + p.row_sums]
   t = p.tile
   rows, row_mask = _span(pid_m, t.block_m, p.m)
@@ -283,22 +282,17 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
 
   if p.store_transposed:  # the tile as stored: [bn, bm] of C.T
     acc, rows, row_mask, cols, col_mask = acc.T, cols, col_mask, rows, row_mask
-
-  def epilogue(tile):
-    """The finished fp32 tile (all splits summed), as stored."""
-    if not p.fuse_gelu:
-      return tile
-    x = _load(in_refs[2], rows, row_mask, cols, col_mask)
-    return tile * gelu_tanh_grad(x.astype(jnp.float32))
-
+  if p.fuse_gelu:
+    x = _load(x_ref[0], rows, row_mask, cols, col_mask)
+    acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
   tile_mask = row_mask[:, None] & col_mask[None, :]
   if p.counts_arrivals:
     partial_ref, counter_ref = out_refs[-2:]
     _sum_splits_when_last(p, pid_m + pl.cdiv(p.m, t.block_m) * pid_n, pid_k, acc, rows, cols,
-                          tile_mask, epilogue, out_ref, partial_ref, counter_ref, interpret)
-  else:   # unsplit, or one partial of a split summed after the launch (no epilogue then)
+                          tile_mask, out_ref, partial_ref, counter_ref, interpret)
+  else:
     out_rows = pid_k * p.stored_shape[0] + rows
-    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], epilogue(acc).astype(out_ref.dtype),
+    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
                 mask=tile_mask)
   if p.row_sums:
     m_rows, m_mask = (cols, col_mask) if p.store_transposed else (rows, row_mask)
@@ -307,10 +301,9 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       plgpu.store(row_sum_ref[0].at[pid_k * p.m + m_rows], sums, mask=m_mask)
 
 
-def _sum_splits_when_last(p: Product, tile_index, pid_k, acc, rows, cols, mask, epilogue, out_ref,
+def _sum_splits_when_last(p: Product, tile_index, pid_k, acc, rows, cols, mask, out_ref,
                           partial_ref, counter_ref, interpret):
-  """Stores this split's partial tile; the tile's last program to arrive sums all of them,
-  applies `epilogue` and stores the result.
+  """Stores this split's partial tile; the tile's last program to arrive sums all of them.
 
   The barrier orders every thread's partial store before the counter's
   acquire-release increment (GPU scope), as CUTLASS's semaphores do; the sum
@@ -329,8 +322,7 @@ def _sum_splits_when_last(p: Product, tile_index, pid_k, acc, rows, cols, mask, 
     total = plgpu.load(partial_ref.at[at(0)], mask=mask, other=0.0)
     for split in range(1, p.tile.split_k):
       total += plgpu.load(partial_ref.at[at(split)], mask=mask, other=0.0)
-    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], epilogue(total).astype(out_ref.dtype),
-                mask=mask)
+    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], total.astype(out_ref.dtype), mask=mask)
 
 
 def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
