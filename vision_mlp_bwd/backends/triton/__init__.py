@@ -114,7 +114,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
     # (and the zeroed arrival counters of its split input gradient, if any).
-    input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
+    input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape,  # grad_pre's
+                                      fc1_weight)
     counters = ([(Zeros(input_grad_product.tiles), ())]
                 if input_grad_product.counts_arrivals else [])
     grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
