@@ -5,12 +5,13 @@ fp32 wgmma wants both operands K-major, which in our backward means
 transposed copies of the weights (and of the small `[S, ·]` activations).
 This times, per seed S, each of the backward's four products computed as
 `A[M, K] @ B[N, K].T` by a plain pipelined wgmma kernel (one output tile per
-block), by a persistent, warp-specialized one, and by a plain one that takes
+block), by a persistent, warp-specialized one (its per-tile pipelines apart or
+chained into one), and by a plain one that takes
 B as the weights are stored (`[K, N]`) and transposes its tiles in shared
 memory, beside XLA's TF32 dot of the
 same operands and XLA's transpose of a weight. Run on the GPU:
 
-    python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent transposing]
+    python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent chained transposing]
 """
 
 from __future__ import annotations
@@ -88,26 +89,34 @@ def k_major_matmul(a, b, *, tile_m, tile_n, stages):
   return _one_tile_per_block(a, b, (m, n), tile_m=tile_m, tile_n=tile_n, accumulate=accumulate)
 
 
-def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sms=132):
+def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sms=132,
+                              chained=False):
   """`a @ b.T` as above, by a persistent, warp-specialized kernel (split-K summed by XLA).
 
   One memory warpgroup streams `[tile_m, 32]` and `[2 * tile_n, 32]` tiles with
   TMA; two compute warpgroups each own half of the `tile_m x 2 * tile_n` output
   tile. Each of `num_sms` blocks walks the (split, m, n) tiles in turn.
+  `chained`: the per-tile pipelines of a block form one pipeline (Pallas's
+  `PipelinePipeline` states), so the memory warpgroup loads the next tile's
+  first steps while the compute warpgroups finish this one; every block then
+  needs at least two tiles.
   """
   (m, k), (n, _) = a.shape, b.shape
   transforms = _k_major_tiles()
   block_n = 2 * tile_n
   m_iters, n_iters, k_per_split = m // tile_m, n // block_n, k // split_k
   k_iters = k_per_split // TILE_K
+  if chained:
+    num_sms = min(num_sms, split_k * m_iters * n_iters // 2)
 
   def kernel(a_gmem, b_gmem, o_gmem):
-    def pipeline(body, compute_context):
+    def pipeline(body, compute_context, state=None):
       return plgpu.emit_pipeline_warp_specialized(
           body, grid=(k_iters,), memory_registers=40, max_concurrent_steps=stages,
           in_specs=[plgpu.BlockSpec((tile_m, TILE_K), lambda s: (0, s), transforms=transforms),
                     plgpu.BlockSpec((block_n, TILE_K), lambda s: (0, s), transforms=transforms)],
-          wg_axis="wg", num_compute_wgs=2, compute_context=compute_context)
+          wg_axis="wg", num_compute_wgs=2, compute_context=compute_context,
+          pipeline_state=state)
 
     ignore = lambda *_, **__: None
 
@@ -143,7 +152,13 @@ def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sm
           plgpu.wgmma_wait(0)
           return acc_ref
 
-        pipeline(step, compute_context)(
+        state = None
+        if chained:
+          last = info.local_index == info.num_local_steps - 1
+          state = jnp.where(info.local_index == 0, int(plgpu.PipelinePipeline.START),
+                            jnp.where(last, int(plgpu.PipelinePipeline.STOP),
+                                      int(plgpu.PipelinePipeline.STEADY)))
+        pipeline(step, compute_context, state)(
             a_gmem.at[pl.ds(mi * tile_m, tile_m), contraction],
             b_gmem.at[pl.ds(ni * block_n, block_n), contraction], allocations=allocations)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -209,14 +224,19 @@ def candidates(kernel_name, m, n, k):
         out.append((f"{tile_m}x{tile_n} st{stages}", functools.partial(
             transposing_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages)))
     return out
+  chained = kernel_name == "chained"
   splits = (1, 2, 4) if k >= 1024 else (1,)
-  for tile_m, tile_n, stages, split in itertools.product((64, 128), (64, 128), (3, 4, 6), splits):
+  for tile_m, tile_n, stages, split in itertools.product(
+      (64, 128), (64, 128), (2, 4, 8) if chained else (3, 4, 6), splits):
     smem = 4 * (stages * TILE_K * (tile_m + 2 * tile_n) + 2 * tile_m * tile_n)
+    steps = k // (split * TILE_K)
     if (m % tile_m == 0 and n % (2 * tile_n) == 0 and k % (split * TILE_K) == 0
-        and smem <= SMEM_BYTES):
+        and smem <= SMEM_BYTES and (not chained or (steps % stages == 0 and (
+            split * (m // tile_m) * (n // (2 * tile_n)) >= 2)))):
       out.append((f"{tile_m}x2x{tile_n} st{stages} split{split}", functools.partial(
           persistent_k_major_matmul, tile_m=tile_m, tile_n=tile_n, stages=stages,
-          split_k=split, num_sms=getattr(jax.devices()[0], "core_count", 132))))
+          split_k=split, num_sms=getattr(jax.devices()[0], "core_count", 132),
+          chained=chained)))
   return out
 
 
@@ -224,7 +244,7 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256])
   parser.add_argument("--kernels", nargs="+", default=["plain", "persistent"],
-                      choices=["plain", "persistent", "transposing"])
+                      choices=["plain", "persistent", "chained", "transposing"])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584

@@ -296,7 +296,7 @@ def test_inspect_kernels_counts_instructions_per_ptx_entry():
   assert (second["mma.sync"], second["ld.global.v4"], second["wgmma"]) == (1, 1, 0)
 
 
-@pytest.mark.parametrize("kernel", ["plain", "persistent", "transposing"])
+@pytest.mark.parametrize("kernel", ["plain", "persistent", "chained", "transposing"])
 def test_mosaic_probe_kernels_lower_for_cuda(kernel):
   """Every tile setting the probe (benchmarks/mosaic_probe.py) times at S=256 lowers."""
   from benchmarks.mosaic_probe import candidates, products
