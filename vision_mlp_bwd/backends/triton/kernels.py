@@ -21,8 +21,10 @@ an input to a 16-bit operand dtype, so such casts ride along in a launch
 instead of taking a kernel each.
 
 Every load and store is masked, so any M, N, K runs without reading or writing
-out of bounds. Reductions never use atomics: a split contraction writes one
-partial result per split, summed afterwards in a fixed order.
+out of bounds. Reductions never use float atomics: a split contraction writes
+one partial result per split, summed in a fixed order either after the launch
+or (`Product.sum_splits_in_kernel`) by the last of the tile's programs to
+arrive, which an int32 counter per tile (zeroed by a `Zeros` job) tells.
 """
 
 from __future__ import annotations
