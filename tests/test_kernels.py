@@ -69,14 +69,20 @@ def test_zero_tokens_returns_zeros_without_kernels():
     assert not np.any(np.asarray(out))
 
 
-def test_nan_and_inf_propagate_like_the_reference():
+@pytest.mark.parametrize("sum_splits_in_kernel", [False, True])
+def test_nan_and_inf_propagate_like_the_reference(sum_splits_in_kernel):
+  from vision_mlp_bwd.backends import triton as triton_backend
+  from vision_mlp_bwd.problem import Problem
   inputs = list(helpers.backward_inputs(20, 32, 48))
   grad_output = np.array(inputs[0])
   grad_output[3, 5] = np.nan
   fc1_output = np.array(inputs[6])
   fc1_output[7, 2] = np.inf
   inputs[0], inputs[6] = jnp.asarray(grad_output), jnp.asarray(fc1_output)
-  ours = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
+  problem = Problem(20, 32, 48, jnp.dtype(jnp.float32), DotMode.F32)
+  config = dataclasses.replace(triton_backend.interpret_config(problem),
+                               sum_splits_in_kernel=sum_splits_in_kernel)
+  ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   ref = vision_mlp_bwd.reference.mlp_backward(*inputs, precision="highest")
   for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
