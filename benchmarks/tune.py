@@ -29,8 +29,8 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks.timing import device_times_us
-from vision_mlp_bwd.backends.triton.config import TileConfig, default_config
+from benchmarks.timing import Timing, device_times_us
+from vision_mlp_bwd.backends.triton.config import TileConfig, default_config, on_f16_config
 from vision_mlp_bwd.backends.triton.kernels import tiled_matmul
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
@@ -128,14 +128,18 @@ VARIANTS = {
 }
 
 
-def variant_config(config, name):
+def variant_config(config, name, problem=None):
   """`config` changed as the variant `name` says: a name of VARIANTS, or overrides
   such as `weight_grads.tiles_per_program=2,cast_inputs=1` (comma-separated;
-  `role.field` reaches into that role's TileConfig)."""
+  `role.field` reaches into that role's TileConfig). A first item `on_f16`
+  starts from `on_f16_config(problem)` instead of `config`."""
   if name in VARIANTS:
     return dataclasses.replace(config, **VARIANTS[name])
+  items = name.split(",")
+  if items[0] == "on_f16":
+    config, items = on_f16_config(problem), items[1:]
   changes = {}   # applied at once: Config checks combinations of fields
-  for item in name.split(","):
+  for item in items:
     path, _, value = item.partition("=")
     role, _, field = path.rpartition(".")
     if not value or not hasattr(config if not role else getattr(config, role, None), field):
@@ -161,14 +165,24 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
     config = default_config(problem)
     inputs = make_inputs(jax.random.key(s), s, h, i)
     fns = {name: functools.partial(triton_backend.backward, problem=problem,
-                                   config=variant_config(config, name))
+                                   config=variant_config(config, name, problem))
            for name in names}
     fns["xla"] = functools.partial(reference.mlp_backward, precision=mode)
-    times = {name: device_times_us(jax.jit(fn), *inputs, iterations=iterations)
-             for name, fn in fns.items()}
+    times = {}
+    for name, fn in fns.items():
+      try:
+        times[name] = device_times_us(jax.jit(fn), *inputs, iterations=iterations)
+      except Exception as e:  # noqa: BLE001 - e.g. shared memory limits: report, go on
+        print(f"S={s} {mode_name} {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+        times[name] = Timing(float("nan"), float("nan"), float("nan"), 0)
     print(f"S={s:5d} {mode_name:5s} " + " ".join(
         f"{name} {t.median_us:6.1f} ({t.kernels})" for name, t in times.items()), flush=True)
-    rows.append(dict(seq_len=s, mode=mode_name, **{n: t.median_us for n, t in times.items()}))
+    for name, t in times.items():
+      print(f"    {name}: " + ", ".join(f"{k[:40]} {us:.1f}" for k, us in
+                                       zip(t.kernel_names, t.kernel_median_us)), flush=True)
+    rows.append(dict(seq_len=s, mode=mode_name, **{n: t.median_us for n, t in times.items()},
+                     kernels={n: list(zip(t.kernel_names, t.kernel_median_us))
+                              for n, t in times.items()}))
   return rows
 
 

@@ -42,15 +42,26 @@ def backward_inputs(tokens, hidden, intermediate, dtype=jnp.float32, key=None, b
 
 
 def backward_float64(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
-                     fc1_output, gelu_output):
-  """The contract's five formulas in NumPy float64: the oracle every mode is held to."""
+                     fc1_output, gelu_output, operand=None):
+  """The contract's five formulas in NumPy float64: the oracle every mode is held to.
+
+  `operand`, if given, maps each fp32 matmul operand first (the pre-GELU
+  gradient rounded to fp32 before), e.g. `tf32_operand` for exact TF32 products.
+  """
   f = lambda x: np.asarray(x, np.float64)
   dy, hs, w1, w2, x, a = map(f, (grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                                 gelu_output))
   dy, hs, x, a = (t.reshape(-1, t.shape[-1]) for t in (dy, hs, x, a))
-  grad_pre = (dy @ w2) * np.asarray(gelu_tanh_grad(x))
-  return ((grad_pre @ w1).reshape(np.shape(hidden_state)), grad_pre.T @ hs, grad_pre.sum(0),
-          dy.T @ a, dy.sum(0))
+  op = (lambda t: operand(t.astype(np.float32))) if operand else (lambda t: t)
+  grad_pre = (op(dy) @ op(w2)) * np.asarray(gelu_tanh_grad(x))
+  return ((op(grad_pre) @ op(w1)).reshape(np.shape(hidden_state)), op(grad_pre).T @ op(hs),
+          grad_pre.sum(0), op(dy).T @ op(a), dy.sum(0))
+
+
+def tf32_operand(x):
+  """fp32 `x` rounded to TF32 as the tensor cores take it, in float64."""
+  from vision_mlp_bwd.precision import round_to_tf32
+  return np.asarray(round_to_tf32(jnp.asarray(x, jnp.float32)), np.float64)
 
 
 def forward_float64(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias):

@@ -122,3 +122,23 @@ def test_splits_summed_in_kernel_are_deterministic_and_match(tokens, mode):
         np.testing.assert_array_equal(a, b)
   for name, a, b in zip(helpers.OUT_NAMES, outs[False], outs[True]):
     assert helpers.relative_error(b, a) < 1e-6, name
+
+
+@pytest.mark.parametrize("tokens", [64, 131, 256])
+def test_tf32_on_f16_computes_tf32_products(tokens):
+  """`Config.tf32_on_f16` (every product on f16 tensor cores, operands scaled by powers of
+  two) must give the products of TF32-rounded operands: within 1e-4 of a float64 oracle
+  that rounds each operand to TF32, where the plain oracle is ~4e-4 away (the pre-GELU
+  gradients on a TF32 rounding boundary move by an ulp: 1.3e-5 on the input gradient at
+  S=256 with NumPy's fp32 sums instead of float64 ones, 4.5e-5 measured on the H200), and
+  bit for bit the same run to run."""
+  from vision_mlp_bwd.backends import triton as triton_backend
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
+  config = triton_backend.config.on_f16_config(problem)
+  run = jax.jit(lambda *a: triton_backend.backward(*a, problem=problem, config=config))
+  outs = jax.device_get(run(*inputs))
+  helpers.assert_close_to_oracle(outs, helpers.backward_float64(
+      *inputs, operand=helpers.tf32_operand), 1e-4, f"S={tokens}")
+  for a, b in zip(outs, jax.device_get(run(*inputs))):
+    np.testing.assert_array_equal(a, b)

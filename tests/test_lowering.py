@@ -128,3 +128,10 @@ def test_splits_summed_in_kernel_lower_without_the_reduction(tokens, mode):
   assert (after.count(TRITON_CALL), within.count(TRITON_CALL)) == (launches, launches)
   # the split partials' reduction leaves XLA; the bias sums stay
   assert within.count("stablehlo.reduce") == after.count("stablehlo.reduce") - 1
+
+
+@pytest.mark.parametrize("tokens", [t for t in SEQ_LENS if t <= 256])
+def test_tf32_on_f16_lowers_to_three_triton_launches(tokens):
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
+  config = triton_backend.config.on_f16_config(problem)
+  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3

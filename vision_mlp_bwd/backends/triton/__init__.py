@@ -21,14 +21,17 @@ On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
-from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Zeros, grouped_launch
+from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Scales, Zeros, grouped_launch
+from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import input_grad, pre_activation_grad
 
@@ -53,6 +56,16 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   operand_dtype = problem.mode.operand_dtype
   out_dtype = problem.dtype  # every input has it, so every gradient does
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
+
+  def launch(jobs, name):
+    """Runs (job, operands) pairs grouped in one launch, or one launch each."""
+    if config.group_launches:
+      return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
+    return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
+
+  if config.tf32_on_f16 and problem.mode == DotMode.TF32 and problem.dtype == jnp.float32:
+    return _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                            gelu_output, config, launch)
   acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
   if operand_dtype is not None and config.cast_inputs:
@@ -98,12 +111,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                       row_sums=True, lhs_in_registers=True), (g, z.T))
     return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
-  def launch(jobs, name):
-    """Runs (job, operands) pairs grouped in one launch, or one launch each."""
-    if config.group_launches:
-      return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
-    return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
-
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
@@ -132,6 +139,61 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
+
+
+def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
+                     config: Config, launch):
+  """The TF32 backward with every product on f16 tensor cores (`Config.tf32_on_f16`).
+
+  Each product's operands are scaled by powers of two per output row and
+  column (`precision.f16_scale`), so f16 holds their TF32 roundings exactly.
+  Launch 0 finds the largest magnitudes the products of launch 1 scale by
+  (in parts, one load per program) and casts the weight gradient's `[S, ·]`
+  operands, whose scales span all S; launch 1 does the same for launch 2, and
+  its pre-activation product reports the maxima of its own output (and, with
+  one block of rows, casts it too).
+  """
+  (s, h), i = grad_output.shape, gelu_output.shape[1]
+  f32 = jnp.dtype(jnp.float32)
+  rows = min(pl.next_power_of_2(s), 256)      # one step over S per cast program up to 256
+
+  def over_s(shape):        # per column over the S rows, cast to scaled f16
+    return Scales(shape, axis=0, cast=True, step=rows)
+
+  def in_parts(shape, axis):   # per column (axis 0) or row (axis 1), 128 reduced lines a program
+    return Scales(shape, axis=axis, parts=pl.cdiv(shape[axis], 128), step=128)
+
+  counters = []
+  input_grad = Product(s, h, i, config.input_grad, f32, scaled_f16=True,
+                       sum_splits_in_kernel=config.sum_splits_in_kernel)
+  if input_grad.counts_arrivals:
+    counters = [(Zeros(input_grad.tiles), ())]
+  (g_col_max, g_by_col, g_sums), (g_row_max,), (gelu_max, gelu16), (w2_max,) = launch([
+      (dataclasses.replace(over_s((s, h)), sums=True), (grad_output,)),
+      (in_parts((s, h), axis=1), (grad_output,)),
+      (over_s((s, i)), (gelu_output,)),
+      (in_parts((h, i), axis=0), (fc2_weight,)),
+  ], "mlp_backward_scales")
+  pre = Product(s, i, h, config.pre_activation, f32, fuse_gelu=True, scaled_f16=True,
+                tile_maxima=True)
+  pre = dataclasses.replace(pre, scaled_copy=pre.grid[0] == 1)
+  (grad_pre, pre_row_max, pre_col_max, *pre16), grad_fc2_weight, (x_max, x16), (w1_max,), *zeros = (
+      launch([
+          (pre, (grad_output, fc2_weight, g_row_max, w2_max, fc1_output)),
+          (Product(h, i, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
+           (g_by_col, gelu16, g_col_max, gelu_max)),
+          (over_s((s, h)), (hidden_state,)),
+          (in_parts((i, h), axis=0), (fc1_weight,)),
+          *counters,
+      ], "mlp_backward_1"))
+  # With the scaled copy, the pre-activation product summed the bias gradient.
+  grad_hidden_state, grad_fc1 = launch([
+      (input_grad, (grad_pre, fc1_weight, pre_row_max, w1_max, *zeros)),
+      (Product(i, h, s, config.weight_grads, f32, transpose_a=True, row_sums=not pre16,
+               scaled_f16=True), (pre16[0] if pre16 else grad_pre, x16, pre_col_max, x_max)),
+  ], "mlp_backward_2")
+  grad_fc1_weight, grad_fc1_bias = (grad_fc1, pre16[1]) if pre16 else grad_fc1
+  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, g_sums[0]
 
 
 class TritonBackend:

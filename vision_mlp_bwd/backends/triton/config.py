@@ -87,6 +87,11 @@ class Config:
   # S=211-256, -0.2 to -0.6 at TF32 S=128; 1-8% slower where one small
   # program sums 8 partials (benchmarks/NOTES.md, 18).
   sum_splits_in_kernel: bool = False
+  # TF32 with fp32 inputs: every product runs on f16 tensor cores, its
+  # operands scaled by powers of two per output row and column so that f16
+  # holds their TF32 roundings exactly (`precision.f16_scale`); three launches
+  # (`_backward_on_f16` in this package). Tiles as for the 16-bit modes.
+  tf32_on_f16: bool = False
 
   def __post_init__(self):
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
@@ -156,10 +161,24 @@ def default_config(problem: Problem) -> Config:
     table = _THREE_PASS_TABLE
   else:
     table = _THIRTY_TWO_BIT_TABLE
+  return _row(table, problem.tokens)
+
+
+def _row(table, tokens):
   for largest, config in table:
-    if largest is None or problem.tokens <= largest:
+    if largest is None or tokens <= largest:
       return config
   raise AssertionError("unreachable: the last row takes every S")
+
+
+def on_f16_config(problem: Problem) -> Config:
+  """TF32 on f16 tensor cores (`Config.tf32_on_f16`) with the 16-bit modes' tiles for this S."""
+  row = _row(_SIXTEEN_BIT_TABLE, problem.tokens)
+  # The input gradient's left operand stays fp32 here (16-bit rows assume f16):
+  # 256-row tiles with 4 stages then exceed shared memory (S=131).
+  input_grad = dataclasses.replace(row.input_grad, block_m=min(row.input_grad.block_m, 128))
+  return dataclasses.replace(row, input_grad=input_grad, tf32_on_f16=True, cast_inputs=False,
+                             cast_weights=False, fused_casts=False)
 
 
 def interpret_config(problem: Problem) -> Config:

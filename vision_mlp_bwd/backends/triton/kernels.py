@@ -41,7 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.triton.config import TileConfig
-from vision_mlp_bwd.precision import DotMode, kernel_dot
+from vision_mlp_bwd.precision import (DotMode, f16_scale, finite_abs, kernel_dot,
+                                      scaled_f16_operand)
 from vision_mlp_bwd.reference import gelu_tanh_grad
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
@@ -73,6 +74,21 @@ class Product:
   # stores the product, instead of a reduction after the launch. The programs
   # count arrivals per tile in an int32 input of zeros (`Zeros`).
   sum_splits_in_kernel: bool = False
+  # TF32 products on f16 tensor cores: two more inputs, the largest finite
+  # |op(A)| per row and |op(B)| per column, as partial maxima `[parts, M]` and
+  # `[parts, N]` (`Scales`, `tile_maxima`) whose max over parts gives the
+  # power-of-two scales (`precision.f16_scale`). fp32 tiles are scaled and
+  # converted in the kernel (f16 ones are taken as done so already), and the
+  # epilogue divides the scales out.
+  scaled_f16: bool = False
+  # Two more outputs: the largest finite |C| of each row per column block,
+  # `[n blocks, M]`, and of each column per row block, `[m blocks, N]`: the
+  # partial maxima that let C (the pre-GELU gradient) be a scaled_f16 operand.
+  tile_maxima: bool = False
+  # With tile_maxima and one block of rows (block_m >= M): two more outputs,
+  # C scaled per column and cast to f16, ready for a scaled_f16 product over M,
+  # and C's column sums `[N]` (a bias gradient, which the copy cannot give).
+  scaled_copy: bool = False
 
   @property
   def grid(self):
@@ -102,11 +118,12 @@ class Product:
 
   @property
   def num_inputs(self) -> int:
-    return 2 + self.fuse_gelu + self.counts_arrivals   # ..., arrival counters
+    return 2 + 2 * self.scaled_f16 + self.fuse_gelu + self.counts_arrivals   # ..., counters
 
   @property
   def num_outputs(self) -> int:
-    return 1 + self.row_sums + 2 * self.counts_arrivals   # ..., partials, counters
+    return (1 + self.row_sums + 2 * self.tile_maxima + 2 * self.scaled_copy
+            + 2 * self.counts_arrivals)   # ..., partials, counters
 
   @property
   def aliases(self) -> dict[int, int]:
@@ -119,6 +136,10 @@ class Product:
     assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
     assert len(operands) == self.num_inputs, self
     assert not (self.fuse_gelu and self.tile.split_k > 1), self
+    assert not (self.tile_maxima and (self.tile.split_k > 1 or self.store_transposed)), self
+    assert not self.scaled_copy or (self.tile_maxima and self.grid[0] == 1), self
+    if self.scaled_f16:
+      assert operands[2].shape[1:] == (self.m,) and operands[3].shape[1:] == (self.n,), self
     if self.counts_arrivals:
       assert operands[-1].shape == (self.tiles,) and operands[-1].dtype == jnp.int32, operands[-1]
 
@@ -130,9 +151,10 @@ class Product:
     product, split = outs[0], self.tile.split_k
     if split > 1 and not self.counts_arrivals:
       product = product.reshape(split, *self.stored_shape).sum(axis=0).astype(self.out_dtype)
-    if self.row_sums:
-      return product, outs[1].reshape(split, self.m).sum(axis=0)
-    return product
+    sums = (outs[1].reshape(split, self.m).sum(axis=0),) if self.row_sums else ()
+    maxima = tuple(outs[1 + self.row_sums:3 + self.row_sums + 2 * self.scaled_copy]
+                   if self.tile_maxima else ())
+    return (product, *sums, *maxima) if sums or maxima else product
 
   def out_shapes(self, like):
     split, arrivals = self.tile.split_k, self.counts_arrivals
@@ -143,6 +165,13 @@ class Product:
       shapes = [_out_struct((split * rows, cols), jnp.float32, like)]
     if self.row_sums:
       shapes.append(_out_struct((split * self.m,), jnp.float32, like))
+    if self.tile_maxima:
+      gm, gn, _ = self.grid
+      shapes += [_out_struct((gn * self.tile.tiles_per_program, self.m), jnp.float32, like),
+                 _out_struct((gm, self.n), jnp.float32, like)]
+    if self.scaled_copy:
+      shapes += [_out_struct((self.m, self.n), jnp.float16, like),
+                 _out_struct((self.n,), jnp.float32, like)]
     if arrivals:
       shapes += [_out_struct((split * rows, cols), jnp.float32, like),
                  _out_struct((self.tiles,), jnp.int32, like)]
@@ -215,6 +244,92 @@ class Zeros:
     return outs[0]
 
 
+@dataclasses.dataclass(frozen=True)
+class Scales:
+  """The largest finite |x| of a 2-D input `[R, C]` per column (`axis=0`) or row (`axis=1`).
+
+  These are the partial maxima a `scaled_f16` product takes: `[parts, L]`
+  (L = C or R), one row per part of the reduced axis that a program covers.
+  With `cast` (one part), also `x` scaled by the resulting powers of two and
+  cast to f16; with `sums`, also the fp32 sums along `axis`, `[parts, L]`.
+  """
+
+  shape: tuple[int, int]
+  axis: int
+  cast: bool = False
+  sums: bool = False
+  parts: int = 1
+  block: int = 32     # kept lines (columns for axis 0) per program
+  step: int = 64      # reduced lines per loop step
+
+  num_inputs = 1
+  aliases = {}
+
+  @property
+  def num_outputs(self) -> int:
+    return 1 + self.cast + self.sums
+
+  @property
+  def lines(self) -> int:
+    return self.shape[1 - self.axis]
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.lines, self.block) * self.parts
+
+  def check(self, operands):
+    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
+    assert not (self.cast and self.parts > 1), self
+
+  def out_shapes(self, like):
+    shapes = [_out_struct((self.parts, self.lines), jnp.float32, like)]
+    if self.cast:
+      shapes.append(_out_struct(tuple(self.shape), jnp.float16, like))
+    if self.sums:
+      shapes.append(_out_struct((self.parts, self.lines), jnp.float32, like))
+    return shapes
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    blocks = pl.cdiv(self.lines, self.block)
+    part = program // blocks
+    lines, line_mask = _span(program % blocks, self.block, self.lines)
+    steps = pl.cdiv(pl.cdiv(self.shape[self.axis], self.step), self.parts)
+
+    def at(s):   # the [step, block] tile of reduced x kept lines, as stored
+      reduced, mask = _span(part * steps + s, self.step, self.shape[self.axis])
+      if self.axis == 0:
+        return (reduced[:, None], lines[None, :]), mask[:, None] & line_mask[None, :]
+      return (lines[:, None], reduced[None, :]), line_mask[:, None] & mask[None, :]
+
+    def load(s):
+      index, mask = at(s)
+      return plgpu.load(in_refs[0].at[index], mask=mask, other=0.0).astype(jnp.float32)
+
+    def reduce(s, carry):
+      largest, total = carry
+      x = load(s)
+      return (jnp.maximum(largest, jnp.max(finite_abs(x), axis=self.axis)),
+              total + jnp.sum(x, axis=self.axis))
+
+    zeros = jnp.zeros((self.block,), jnp.float32)
+    largest, total = lax.fori_loop(0, steps, reduce, (zeros, zeros))
+    plgpu.store(out_refs[0].at[part, lines], largest, mask=line_mask)
+    if self.sums:
+      plgpu.store(out_refs[-1].at[part, lines], total, mask=line_mask)
+    if self.cast:
+      scale = f16_scale(largest)
+      scale = scale[None, :] if self.axis == 0 else scale[:, None]
+
+      @pl.loop(0, steps)
+      def _(s):
+        index, mask = at(s)
+        plgpu.store(out_refs[1].at[index], scaled_f16_operand(load(s), scale), mask=mask)
+
+  def finish(self, outs):
+    return tuple(outs)
+
+
 def _out_struct(shape, dtype, like):
   """An output varying over the same `shard_map` axes as `like` (Pallas checks that)."""
   mat = None if like is None else getattr(jax.typeof(like), "mat", None)
@@ -236,6 +351,15 @@ def _load(ref, rows, row_mask, cols, col_mask):
   """A zero-padded `[len(rows), len(cols)]` tile of a 2-D ref."""
   return plgpu.load(ref.at[rows[:, None], cols[None, :]],
                     mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+def _max_of_parts(ref, index, mask):
+  """max over the first axis of partial maxima `ref [parts, L]`, at `index` along L."""
+  parts = ref.shape[0]
+  part = jnp.arange(pl.next_power_of_2(parts))
+  tile = plgpu.load(ref.at[part[:, None], index[None, :]],
+                    mask=(part < parts)[:, None] & mask[None, :], other=0.0)
+  return jnp.max(tile, axis=0)
 
 
 def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, interpret: bool):
@@ -260,6 +384,10 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   rows, row_mask = _span(pid_m, t.block_m, p.m)
   cols, col_mask = _span(pid_n, t.block_n, p.n)
   steps = pl.cdiv(pl.cdiv(p.k, t.block_k), t.split_k)
+  if p.scaled_f16:
+    max_a_ref, max_b_ref, *x_ref = x_ref
+    scale_a = f16_scale(_max_of_parts(max_a_ref, rows, row_mask))
+    scale_b = f16_scale(_max_of_parts(max_b_ref, cols, col_mask))
 
   def step(s, carry):
     acc, sums = carry
@@ -272,15 +400,23 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       b = _load(b_ref, cols, col_mask, ks, k_mask)      # [bn, bk]
     else:
       b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
+    tile_a = a
+    if p.scaled_f16:
+      a = scaled_f16_operand(a, scale_a[None, :] if p.transpose_a else scale_a[:, None])
+      b = scaled_f16_operand(b, scale_b[:, None] if p.transpose_b else scale_b[None, :])
     acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
                       contract_b=1 if p.transpose_b else 0,
                       lhs_in_registers=p.lhs_in_registers)
+    # After the dot: summing first made Triton miscompile the 16-bit weight
+    # gradients on the H200 (wrong and run-to-run different; NOTES.md, 20).
     if p.row_sums:
-      sums += jnp.sum(a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
+      sums += jnp.sum(tile_a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
     return acc, sums
 
   init = (jnp.zeros((t.block_m, t.block_n), jnp.float32), jnp.zeros((t.block_m,), jnp.float32))
   acc, sums = lax.fori_loop(0, steps, step, init)
+  if p.scaled_f16:   # exact: powers of two, applied one at a time
+    acc = (acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
 
   if p.store_transposed:  # the tile as stored: [bn, bm] of C.T
     acc, rows, row_mask, cols, col_mask = acc.T, cols, col_mask, rows, row_mask
@@ -288,6 +424,18 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     x = _load(x_ref[0], rows, row_mask, cols, col_mask)
     acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
   tile_mask = row_mask[:, None] & col_mask[None, :]
+  if p.tile_maxima:
+    row_max_ref, col_max_ref = out_refs[1 + p.row_sums:3 + p.row_sums]
+    magnitude = jnp.where(tile_mask, finite_abs(acc), 0.0)
+    plgpu.store(row_max_ref.at[pid_n, rows], jnp.max(magnitude, axis=1), mask=row_mask)
+    col_max = jnp.max(magnitude, axis=0)
+    plgpu.store(col_max_ref.at[pid_m, cols], col_max, mask=col_mask)
+    if p.scaled_copy:
+      copy_ref, col_sum_ref = out_refs[3 + p.row_sums:5 + p.row_sums]
+      plgpu.store(copy_ref.at[rows[:, None], cols[None, :]],
+                  scaled_f16_operand(acc, f16_scale(col_max)[None, :]), mask=tile_mask)
+      plgpu.store(col_sum_ref.at[cols], jnp.sum(jnp.where(tile_mask, acc, 0.0), axis=0),
+                  mask=col_mask)
   if p.counts_arrivals:
     partial_ref, counter_ref = out_refs[-2:]
     _sum_splits_when_last(p, pid_m + pl.cdiv(p.m, t.block_m) * pid_n, pid_k, acc, rows, cols,

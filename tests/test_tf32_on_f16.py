@@ -1,0 +1,102 @@
+"""TF32 products on f16 tensor cores (`Config.tf32_on_f16`), in Pallas interpret mode.
+
+f16 keeps TF32's 11 significant bits, so operands scaled by the right power
+of two convert to f16 as exactly their TF32 roundings. These tests hold that
+to the bit for the conversion, and hold the whole backward to a float64
+oracle whose products take TF32-rounded operands: it must agree far more
+closely (1e-4) than the plain float64 oracle does (~3e-4, TF32's own error),
+also for inputs far outside f16's range and with NaN and Inf.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from vision_mlp_bwd import precision
+from vision_mlp_bwd.backends import triton as triton_backend
+from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.problem import Problem
+from tests import helpers
+
+# fp32 accumulation in another order, and the pre-GELU gradients whose fp32
+# value sits on a TF32 rounding boundary (they move by a TF32 ulp, 2^-11,
+# where the float64 oracle rounds the other way): 1e-7 to 6.6e-5 observed on
+# the input gradient, against ~4e-4 for TF32 itself.
+TF32_ORACLE_TOLERANCE = 1e-4
+
+
+def test_f16_scale_puts_the_largest_magnitude_in_2_14_to_2_15():
+  key = helpers.fresh_key()
+  x = jnp.abs(jax.random.normal(key, (4000,))) * jnp.exp2(
+      jax.random.randint(jax.random.fold_in(key, 1), (4000,), -100, 100).astype(jnp.float32))
+  scaled = np.asarray(x * precision.f16_scale(x), np.float64)
+  assert np.all((scaled >= 2.0 ** 14) & (scaled < 2.0 ** 15)), scaled[(scaled < 2.0 ** 14)
+                                                                      | (scaled >= 2.0 ** 15)]
+  assert np.isfinite(np.asarray(precision.f16_scale(jnp.zeros(3)))).all()
+
+
+def test_scaled_f16_is_the_tf32_rounding_times_the_scale():
+  key = helpers.fresh_key()
+  rows = jax.random.normal(key, (64, 256)) * jnp.exp2(
+      jax.random.randint(jax.random.fold_in(key, 1), (64, 1), -60, 60).astype(jnp.float32))
+  scale = precision.f16_scale(jnp.max(jnp.abs(rows), axis=1))[:, None]
+  converted = np.asarray(precision.scaled_f16_operand(rows, scale), np.float64)
+  expected = np.asarray(precision.round_to_tf32(rows) * scale, np.float64)
+  # f16 rounds ties to even, TF32 (cvt.rna) away from zero: exact ties may differ.
+  bits = np.asarray(rows).view(np.uint32) & 0x1FFF
+  ties = bits == 0x1000
+  np.testing.assert_array_equal(converted[~ties], expected[~ties])
+  assert np.all(np.abs(converted - expected)[ties] <= np.abs(expected[ties]) * 2.0 ** -10)
+
+
+def _backward_on_f16(inputs, pre_block_m=16, sum_splits_in_kernel=False):
+  s, h = inputs[0].shape
+  problem = Problem(s, h, inputs[2].shape[0], jnp.dtype(jnp.float32), DotMode.TF32)
+  config = triton_backend.interpret_config(problem)
+  config = dataclasses.replace(
+      config, tf32_on_f16=True, sum_splits_in_kernel=sum_splits_in_kernel,
+      pre_activation=dataclasses.replace(config.pre_activation, block_m=pre_block_m))
+  return triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
+
+
+# pre_block_m 64 covers S <= 64 in one block of rows: the pre-activation
+# product then also writes the scaled f16 copy of its output and its bias sums.
+@pytest.mark.parametrize("tokens,pre_block_m,in_kernel", [
+    (1, 16, False), (7, 64, False), (37, 16, True), (37, 64, True), (131, 16, False)])
+def test_backward_on_f16_computes_tf32_products(tokens, pre_block_m, in_kernel):
+  inputs = helpers.backward_inputs(tokens, 40, 72)
+  ours = _backward_on_f16(inputs, pre_block_m, in_kernel)
+  helpers.assert_close_to_oracle(ours, helpers.backward_float64(
+      *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"S={tokens}")
+  # The plain oracle is further off by TF32's own error: the rounding did happen.
+  assert helpers.relative_error(ours[1], helpers.backward_float64(*inputs)[1]) > 1e-4
+
+
+def test_backward_on_f16_scales_operands_far_outside_f16s_range():
+  inputs = list(helpers.backward_inputs(37, 40, 72))
+  for index, exponent in [(0, -40), (1, -20), (2, 20), (4, -30), (7, 30)]:
+    inputs[index] = inputs[index] * 2.0 ** exponent
+  inputs[7] = inputs[7].at[:, 3].multiply(2.0 ** -50)   # one column far below the others
+  for pre_block_m in (16, 64):
+    ours = _backward_on_f16(inputs, pre_block_m)
+    helpers.assert_close_to_oracle(ours, helpers.backward_float64(
+        *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"block_m {pre_block_m}")
+
+
+@pytest.mark.parametrize("pre_block_m", [16, 64])
+def test_backward_on_f16_propagates_nan_and_inf_like_the_reference(pre_block_m):
+  inputs = list(helpers.backward_inputs(20, 32, 48))
+  inputs[0] = inputs[0].at[3, 5].set(jnp.nan)
+  inputs[6] = inputs[6].at[7, 2].set(jnp.inf)
+  inputs[1] = inputs[1].at[11, 4].set(-jnp.inf)
+  ours = _backward_on_f16(inputs, pre_block_m)
+  ref = helpers.backward_float64(*inputs)
+  for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+    np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=name)
+    assert np.any(~np.isfinite(a)), name
