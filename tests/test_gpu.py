@@ -88,7 +88,8 @@ def test_tf32_layouts_are_as_accurate_as_the_plain_one(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   inputs = helpers.backward_inputs(256, 1280, 3584)
   problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
-  plain = dataclasses.replace(default_config(problem), k_major_weight_grads=False)
+  plain = dataclasses.replace(triton_backend.config.fp32_operands_config(problem),
+                              k_major_weight_grads=False)
   oracle = helpers.backward_float64(*inputs)
   errors = {}
   for name, config in (("plain", plain), ("variant", dataclasses.replace(plain, **variant))):

@@ -38,7 +38,8 @@ def lower_for_cuda(problem: Problem, dtype=jnp.float32, config=None):
 
 def casts_launches(config, mode):
   """1 where the Config casts the activations in a launch of their own before launch 1."""
-  return int(mode.operand_dtype is not None and config.cast_inputs and config.fused_casts)
+  return int((mode.operand_dtype is not None and config.cast_inputs and config.fused_casts)
+             or (config.tf32_on_f16 and mode == DotMode.TF32))
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
@@ -56,7 +57,8 @@ def test_seed_cases_lower_to_two_triton_launches(tokens, mode):
 def test_other_model_sizes_lower(hidden, intermediate, dtype):
   problem = Problem(197, hidden, intermediate, jnp.dtype(dtype), DotMode.TF32)
   config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=False)
-  assert lower_for_cuda(problem, dtype, config).count(TRITON_CALL) == 2   # every kernel
+  launches = 2 + casts_launches(config, DotMode.TF32) * (dtype == jnp.float32)
+  assert lower_for_cuda(problem, dtype, config).count(TRITON_CALL) == launches  # every kernel
 
 
 def test_separate_launches_lower_to_four():

@@ -19,6 +19,7 @@ import pytest
 
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.backends import triton as triton_backend
+from vision_mlp_bwd.backends.triton import kernels
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 from tests import helpers
@@ -54,36 +55,73 @@ def test_scaled_f16_is_the_tf32_rounding_times_the_scale():
   assert np.all(np.abs(converted - expected)[ties] <= np.abs(expected[ties]) * 2.0 ** -10)
 
 
-def _backward_on_f16(inputs, pre_block_m=16, sum_splits_in_kernel=False):
+@pytest.mark.parametrize("axis,parts,cast", [(0, 1, True), (1, 1, True), (0, 3, False),
+                                             (1, 2, False)])
+@pytest.mark.parametrize("step", [16, 512])   # several loop steps, or one kept tile
+def test_scales_job_gives_maxima_sums_and_the_scaled_cast(axis, parts, cast, step):
+  key = helpers.fresh_key()
+  x = jax.random.normal(key, (300, 70)) * jnp.exp2(jax.random.randint(
+      jax.random.fold_in(key, 1), (300, 70), -20, 20).astype(jnp.float32))
+  x = x.at[5, 7].set(jnp.inf).at[9, 3].set(jnp.nan)
+  job = kernels.Scales(x.shape, axis=axis, cast=cast, sums=True, parts=parts, block=16, step=step)
+  [(maxima, *copy, sums)] = kernels.grouped_launch([job], [(x,)], mode=DotMode.TF32,
+                                                   interpret=True)
+  v = np.asarray(x, np.float64)
+  finite = np.where(np.isfinite(v), np.abs(v), 0.0)
+  np.testing.assert_array_equal(np.asarray(maxima).max(axis=0), finite.max(axis=axis))
+  with np.errstate(invalid="ignore"):   # Inf - Inf in the lines checked for equality below
+    ours, ref = np.asarray(sums, np.float64).sum(axis=0), v.sum(axis=axis)
+    error = np.abs(ours - ref)
+  ok = np.isfinite(ref)   # a line with NaN or Inf sums to it in both
+  assert np.all(error[ok] <= 1e-6 * np.abs(v).sum(axis=axis)[ok])
+  np.testing.assert_array_equal(ours[~ok], ref[~ok])
+  if cast:
+    scale = np.asarray(precision.f16_scale(jnp.asarray(finite.max(axis=axis), jnp.float32)))
+    scale = scale[None, :] if axis == 0 else scale[:, None]
+    np.testing.assert_array_equal(np.asarray(copy[0]),
+                                  np.asarray(precision.scaled_f16_operand(x, scale)))
+
+
+def _backward_on_f16(inputs, pre_block_m=16, sum_splits_in_kernel=False, cast_inputs=False):
   s, h = inputs[0].shape
   problem = Problem(s, h, inputs[2].shape[0], jnp.dtype(jnp.float32), DotMode.TF32)
   config = triton_backend.interpret_config(problem)
   config = dataclasses.replace(
       config, tf32_on_f16=True, sum_splits_in_kernel=sum_splits_in_kernel,
+      cast_inputs=cast_inputs,
       pre_activation=dataclasses.replace(config.pre_activation, block_m=pre_block_m))
   return triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
 
 
-# pre_block_m 64 covers S <= 64 in one block of rows: the pre-activation
-# product then also writes the scaled f16 copy of its output and its bias sums.
-@pytest.mark.parametrize("tokens,pre_block_m,in_kernel", [
-    (1, 16, False), (7, 64, False), (37, 16, True), (37, 64, True), (131, 16, False)])
-def test_backward_on_f16_computes_tf32_products(tokens, pre_block_m, in_kernel):
+# pre_block_m 16 or 64: the pre-activation product's outputs from one or several
+# blocks of rows (its row maxima, column sums and f16 copy); cast_inputs: the
+# pre-activation product takes grad_output cast by rows, or converts it itself.
+@pytest.mark.parametrize("tokens,pre_block_m,in_kernel,cast_inputs", [
+    (1, 16, False, False), (7, 64, False, True), (37, 16, True, False), (37, 64, True, True),
+    (131, 16, False, True)])
+def test_backward_on_f16_computes_tf32_products(tokens, pre_block_m, in_kernel, cast_inputs):
   inputs = helpers.backward_inputs(tokens, 40, 72)
-  ours = _backward_on_f16(inputs, pre_block_m, in_kernel)
+  ours = _backward_on_f16(inputs, pre_block_m, in_kernel, cast_inputs)
   helpers.assert_close_to_oracle(ours, helpers.backward_float64(
       *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"S={tokens}")
   # The plain oracle is further off by TF32's own error: the rounding did happen.
   assert helpers.relative_error(ours[1], helpers.backward_float64(*inputs)[1]) > 1e-4
 
 
-def test_backward_on_f16_scales_operands_far_outside_f16s_range():
+# Activations and weights far outside f16's range, and single columns far
+# below the others: the weights' speculated scales miss there, and their
+# products redo those tiles with exact scales.
+@pytest.mark.parametrize("whole", [True, False], ids=["tensors", "columns"])
+def test_backward_on_f16_scales_operands_far_outside_f16s_range(whole):
   inputs = list(helpers.backward_inputs(37, 40, 72))
   for index, exponent in [(0, -40), (1, -20), (2, 20), (4, -30), (7, 30)]:
-    inputs[index] = inputs[index] * 2.0 ** exponent
-  inputs[7] = inputs[7].at[:, 3].multiply(2.0 ** -50)   # one column far below the others
+    if whole:
+      inputs[index] = inputs[index] * 2.0 ** exponent
+    else:
+      inputs[index] = inputs[index].at[:, 3].multiply(2.0 ** exponent)
+  inputs[7] = inputs[7].at[:, 5].multiply(2.0 ** -50)
   for pre_block_m in (16, 64):
-    ours = _backward_on_f16(inputs, pre_block_m)
+    ours = _backward_on_f16(inputs, pre_block_m, cast_inputs=pre_block_m == 64)
     helpers.assert_close_to_oracle(ours, helpers.backward_float64(
         *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"block_m {pre_block_m}")
 

@@ -146,54 +146,54 @@ def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
   """The TF32 backward with every product on f16 tensor cores (`Config.tf32_on_f16`).
 
   Each product's operands are scaled by powers of two per output row and
-  column (`precision.f16_scale`), so f16 holds their TF32 roundings exactly.
-  Launch 0 finds the largest magnitudes the products of launch 1 scale by
-  (in parts, one load per program) and casts the weight gradient's `[S, ·]`
-  operands, whose scales span all S; launch 1 does the same for launch 2, and
-  its pre-activation product reports the maxima of its own output (and, with
-  one block of rows, casts it too).
+  column (`precision.f16_scale`), so f16 holds their TF32 roundings. Launch 0
+  casts `grad_output` (by rows for the pre-activation product, by columns
+  for grad_fc2_weight) and `gelu_output`, each scaled by its measured maxima.
+  The weights' scales are speculated and checked in the products
+  (`Product.speculate_b`). The pre-activation product reports its output's
+  row maxima for the input gradient and writes an f16 copy for
+  grad_fc1_weight, scaled by a bound it knows (`Product.f16_outputs`).
   """
   (s, h), i = grad_output.shape, gelu_output.shape[1]
   f32 = jnp.dtype(jnp.float32)
-  rows = min(pl.next_power_of_2(s), 256)      # one step over S per cast program up to 256
 
-  def over_s(shape):        # per column over the S rows, cast to scaled f16
-    return Scales(shape, axis=0, cast=True, step=rows)
-
-  def in_parts(shape, axis):   # per column (axis 0) or row (axis 1), 128 reduced lines a program
-    return Scales(shape, axis=axis, parts=pl.cdiv(shape[axis], 128), step=128)
+  def cast_over(shape, axis):   # the scaled f16 cast, per column (axis 0) or row (axis 1)
+    extent = shape[axis]
+    if axis == 0:
+      return Scales(shape, axis=0, cast=True, step=min(pl.next_power_of_2(extent), 256))
+    return Scales(shape, axis=1, cast=True, block=4, step=min(pl.next_power_of_2(extent), 2048))
 
   counters = []
-  input_grad = Product(s, h, i, config.input_grad, f32, scaled_f16=True,
+  input_grad = Product(s, h, i, config.input_grad, f32, scaled_f16=True, speculate_b=True,
                        sum_splits_in_kernel=config.sum_splits_in_kernel)
   if input_grad.counts_arrivals:
     counters = [(Zeros(input_grad.tiles), ())]
-  (g_col_max, g_by_col, g_sums), (g_row_max,), (gelu_max, gelu16), (w2_max,) = launch([
-      (dataclasses.replace(over_s((s, h)), sums=True), (grad_output,)),
-      (in_parts((s, h), axis=1), (grad_output,)),
-      (over_s((s, i)), (gelu_output,)),
-      (in_parts((h, i), axis=0), (fc2_weight,)),
-  ], "mlp_backward_scales")
-  pre = Product(s, i, h, config.pre_activation, f32, fuse_gelu=True, scaled_f16=True,
-                tile_maxima=True)
-  pre = dataclasses.replace(pre, scaled_copy=pre.grid[0] == 1)
-  (grad_pre, pre_row_max, pre_col_max, *pre16), grad_fc2_weight, (x_max, x16), (w1_max,), *zeros = (
-      launch([
-          (pre, (grad_output, fc2_weight, g_row_max, w2_max, fc1_output)),
-          (Product(h, i, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
-           (g_by_col, gelu16, g_col_max, gelu_max)),
-          (over_s((s, h)), (hidden_state,)),
-          (in_parts((i, h), axis=0), (fc1_weight,)),
-          *counters,
-      ], "mlp_backward_1"))
-  # With the scaled copy, the pre-activation product summed the bias gradient.
-  grad_hidden_state, grad_fc1 = launch([
-      (input_grad, (grad_pre, fc1_weight, pre_row_max, w1_max, *zeros)),
-      (Product(i, h, s, config.weight_grads, f32, transpose_a=True, row_sums=not pre16,
-               scaled_f16=True), (pre16[0] if pre16 else grad_pre, x16, pre_col_max, x_max)),
+  # grad_output by rows: cast (Config.cast_inputs), or only its maxima, in parts.
+  by_rows = (cast_over((s, h), 1) if config.cast_inputs else
+             Scales((s, h), axis=1, parts=pl.cdiv(h, 128), step=128))
+  (g_col_max, g_by_col, g_sums), (g_row_max, *g_by_row), (gelu_max, gelu16), *zeros = launch([
+      (dataclasses.replace(cast_over((s, h), 0), sums=True), (grad_output,)),
+      (by_rows, (grad_output,)),
+      (cast_over((s, i), 0), (gelu_output,)),
+      *counters,
+  ], "mlp_backward_casts")
+  pre, grad_fc2_weight, (x_max, x16) = launch([
+      (Product(s, i, h, config.pre_activation, f32, fuse_gelu=True, scaled_f16=True,
+               speculate_b=True, f16_outputs=True),
+       ((g_by_row or [grad_output])[0], fc2_weight, g_row_max, g_col_max, fc1_output)),
+      (Product(h, i, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
+       (g_by_col, gelu16, g_col_max, gelu_max)),
+      (cast_over((s, h), 0), (hidden_state,)),
+  ], "mlp_backward_1")
+  grad_pre, pre_row_max, pre_col_sums, pre16, pre16_bound = pre
+  grad_hidden_state, grad_fc1_weight, (_, grad_fc1_bias) = launch([
+      (input_grad, (grad_pre, fc1_weight, pre_row_max, *zeros)),
+      (Product(i, h, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
+       (pre16, x16, pre16_bound, x_max)),
+      (Scales(pre_col_sums.shape, axis=0, sums=True, block=128, step=pl.next_power_of_2(pre_col_sums.shape[0])),
+       (pre_col_sums,)),   # the bias gradient: the sum of the partial sums
   ], "mlp_backward_2")
-  grad_fc1_weight, grad_fc1_bias = (grad_fc1, pre16[1]) if pre16 else grad_fc1
-  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, g_sums[0]
+  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias[0], grad_fc2_weight, g_sums[0]
 
 
 class TritonBackend:

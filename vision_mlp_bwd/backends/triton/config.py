@@ -89,8 +89,10 @@ class Config:
   sum_splits_in_kernel: bool = False
   # TF32 with fp32 inputs: every product runs on f16 tensor cores, its
   # operands scaled by powers of two per output row and column so that f16
-  # holds their TF32 roundings exactly (`precision.f16_scale`); three launches
-  # (`_backward_on_f16` in this package). Tiles as for the 16-bit modes.
+  # holds their TF32 roundings (`precision.f16_scale`); three launches
+  # (`_backward_on_f16` in this package). With cast_inputs, grad_output is
+  # also cast by rows for the pre-activation product, which otherwise
+  # converts it itself.
   tf32_on_f16: bool = False
 
   def __post_init__(self):
@@ -140,6 +142,26 @@ _THIRTY_TWO_BIT_TABLE = (
     (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
 )
 
+# TF32 (DEFAULT) from S=65 to 256: every product on f16 tensor cores with
+# exact power-of-two scales (`Config.tf32_on_f16`, benchmarks/NOTES.md 20),
+# with the 16-bit rows' tiles; at S=131 a pre-activation tile spanning all S
+# (one block of rows) and 256-row input-gradient tiles (results/variants13_h200.json).
+# Measured against the fp32-operand rows above, TF32 S=128: 49.6 against
+# 58.3 us; 131: 63.3 / 72.1; 211: 67.8 / 91.8; 256: 71.3 / 115.8. At S=64 the
+# fp32-operand row stays (42.8 against 43.9).
+_TF32_ON_F16_TABLE = (
+    (64, None),
+    (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
+            cast_inputs=True, tf32_on_f16=True)),
+    (160, C(T(256, 32, 64, num_stages=4), T(128, 128, 64),
+            T(256, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
+    (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
+            sum_splits_in_kernel=True, tf32_on_f16=True)),
+    (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
+            cast_inputs=True, sum_splits_in_kernel=True, tf32_on_f16=True)),
+    (None, None),
+)
+
 # bf16x3 (HIGHEST) runs three bf16 products per tile: up to S=256 the
 # per-launch TF32 tiles; above, it is compute-bound and 128x128 tiles halved
 # its time per token (1.15 -> 0.55 us per token between S=997 and S=1163 in
@@ -160,8 +182,15 @@ def default_config(problem: Problem) -> Config:
   elif problem.mode in (DotMode.HIGHEST, DotMode.BF16X3):
     table = _THREE_PASS_TABLE
   else:
+    if problem.mode == DotMode.TF32 and _row(_TF32_ON_F16_TABLE, problem.tokens) is not None:
+      return _row(_TF32_ON_F16_TABLE, problem.tokens)
     table = _THIRTY_TWO_BIT_TABLE
   return _row(table, problem.tokens)
+
+
+def fp32_operands_config(problem: Problem) -> Config:
+  """The Config of the fp32-operand kernels for a 32-bit mode, even where TF32 runs on f16."""
+  return _row(_THIRTY_TWO_BIT_TABLE, problem.tokens)
 
 
 def _row(table, tokens):
@@ -177,8 +206,8 @@ def on_f16_config(problem: Problem) -> Config:
   # The input gradient's left operand stays fp32 here (16-bit rows assume f16):
   # 256-row tiles with 4 stages then exceed shared memory (S=131).
   input_grad = dataclasses.replace(row.input_grad, block_m=min(row.input_grad.block_m, 128))
-  return dataclasses.replace(row, input_grad=input_grad, tf32_on_f16=True, cast_inputs=False,
-                             cast_weights=False, fused_casts=False)
+  return dataclasses.replace(row, input_grad=input_grad, tf32_on_f16=True, cast_weights=False,
+                             fused_casts=False)
 
 
 def interpret_config(problem: Problem) -> Config:
@@ -197,7 +226,7 @@ def interpret_config(problem: Problem) -> Config:
 # h200_20261129-154647.md.
 # Ties (within the ~5% run-to-run spread) go to XLA; so do modes not listed.
 TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
-    DotMode.TF32: ((1, 160),),                 # S=64 1.36x, 128 1.27x, 131 1.10x
+    DotMode.TF32: ((1, 256),),                 # filled in below from the new run
     DotMode.F16: ((1, 256),),                  # 1.32-1.43x at every seed S <= 256
     DotMode.BF16: ((1, 256),),                 # 1.27-1.43x at every seed S <= 256
     DotMode.HIGHEST: ((1, 64), (289, None)),   # 1.08x; 1.12x at 293, 1.5-1.8x above

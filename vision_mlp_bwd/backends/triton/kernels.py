@@ -41,8 +41,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.triton.config import TileConfig
-from vision_mlp_bwd.precision import (DotMode, f16_scale, finite_abs, kernel_dot,
-                                      scaled_f16_operand)
+from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, f16_scale, finite_abs,
+                                      fits_speculated, kernel_dot, scaled_f16_operand)
 from vision_mlp_bwd.reference import gelu_tanh_grad
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
@@ -74,21 +74,26 @@ class Product:
   # stores the product, instead of a reduction after the launch. The programs
   # count arrivals per tile in an int32 input of zeros (`Zeros`).
   sum_splits_in_kernel: bool = False
-  # TF32 products on f16 tensor cores: two more inputs, the largest finite
-  # |op(A)| per row and |op(B)| per column, as partial maxima `[parts, M]` and
-  # `[parts, N]` (`Scales`, `tile_maxima`) whose max over parts gives the
+  # TF32 products on f16 tensor cores: more inputs, the largest finite |op(A)|
+  # per row and |op(B)| per column, as partial maxima `[parts, M]` and
+  # `[parts, N]` (`Scales`, `f16_outputs`) whose max over parts gives the
   # power-of-two scales (`precision.f16_scale`). fp32 tiles are scaled and
   # converted in the kernel (f16 ones are taken as done so already), and the
   # epilogue divides the scales out.
   scaled_f16: bool = False
-  # Two more outputs: the largest finite |C| of each row per column block,
-  # `[n blocks, M]`, and of each column per row block, `[m blocks, N]`: the
-  # partial maxima that let C (the pre-GELU gradient) be a scaled_f16 operand.
-  tile_maxima: bool = False
-  # With tile_maxima and one block of rows (block_m >= M): two more outputs,
-  # C scaled per column and cast to f16, ready for a scaled_f16 product over M,
-  # and C's column sums `[N]` (a bias gradient, which the copy cannot give).
-  scaled_copy: bool = False
+  # With scaled_f16, no maxima input for B (a weight): its scale is
+  # `precision.SPECULATED_SCALE`, and the program, which sees all of its
+  # columns' contraction, redoes the tile with exact scales if a column's
+  # largest magnitude turns out to lie outside `precision.fits_speculated`.
+  speculate_b: bool = False
+  # With speculate_b and fuse_gelu (the pre-GELU gradient): one more input, A's
+  # maxima along K `[parts, K]` (their max is max |A|), and four more outputs:
+  # C's row maxima per column block `[n blocks, M]` (the scales of a product
+  # contracting C's columns), C's column sums per row block `[m blocks, N]` (a
+  # bias gradient), C scaled per column and cast to f16 `[M, N]`, and the
+  # bound those scales come from `[1, N]` (2 K max|A| max|B[:, n]| >= |C|,
+  # known without C's other rows).
+  f16_outputs: bool = False
 
   @property
   def grid(self):
@@ -118,12 +123,12 @@ class Product:
 
   @property
   def num_inputs(self) -> int:
-    return 2 + 2 * self.scaled_f16 + self.fuse_gelu + self.counts_arrivals   # ..., counters
+    scales = self.scaled_f16 * (1 + (not self.speculate_b) + self.f16_outputs)
+    return 2 + scales + self.fuse_gelu + self.counts_arrivals   # ..., arrival counters
 
   @property
   def num_outputs(self) -> int:
-    return (1 + self.row_sums + 2 * self.tile_maxima + 2 * self.scaled_copy
-            + 2 * self.counts_arrivals)   # ..., partials, counters
+    return 1 + self.row_sums + 4 * self.f16_outputs + 2 * self.counts_arrivals  # ..., counters
 
   @property
   def aliases(self) -> dict[int, int]:
@@ -136,10 +141,13 @@ class Product:
     assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
     assert len(operands) == self.num_inputs, self
     assert not (self.fuse_gelu and self.tile.split_k > 1), self
-    assert not (self.tile_maxima and (self.tile.split_k > 1 or self.store_transposed)), self
-    assert not self.scaled_copy or (self.tile_maxima and self.grid[0] == 1), self
+    assert not self.f16_outputs or (self.fuse_gelu and self.speculate_b and self.scaled_f16
+                                    and not self.store_transposed), self
+    assert not self.speculate_b or self.scaled_f16, self
     if self.scaled_f16:
-      assert operands[2].shape[1:] == (self.m,) and operands[3].shape[1:] == (self.n,), self
+      assert operands[2].shape[1:] == (self.m,), (self, operands[2].shape)
+      if not self.speculate_b:
+        assert operands[3].shape[1:] == (self.n,), (self, operands[3].shape)
     if self.counts_arrivals:
       assert operands[-1].shape == (self.tiles,) and operands[-1].dtype == jnp.int32, operands[-1]
 
@@ -152,9 +160,8 @@ class Product:
     if split > 1 and not self.counts_arrivals:
       product = product.reshape(split, *self.stored_shape).sum(axis=0).astype(self.out_dtype)
     sums = (outs[1].reshape(split, self.m).sum(axis=0),) if self.row_sums else ()
-    maxima = tuple(outs[1 + self.row_sums:3 + self.row_sums + 2 * self.scaled_copy]
-                   if self.tile_maxima else ())
-    return (product, *sums, *maxima) if sums or maxima else product
+    extra = tuple(outs[1 + self.row_sums:5 + self.row_sums]) if self.f16_outputs else ()
+    return (product, *sums, *extra) if sums or extra else product
 
   def out_shapes(self, like):
     split, arrivals = self.tile.split_k, self.counts_arrivals
@@ -165,13 +172,12 @@ class Product:
       shapes = [_out_struct((split * rows, cols), jnp.float32, like)]
     if self.row_sums:
       shapes.append(_out_struct((split * self.m,), jnp.float32, like))
-    if self.tile_maxima:
+    if self.f16_outputs:
       gm, gn, _ = self.grid
       shapes += [_out_struct((gn * self.tile.tiles_per_program, self.m), jnp.float32, like),
-                 _out_struct((gm, self.n), jnp.float32, like)]
-    if self.scaled_copy:
-      shapes += [_out_struct((self.m, self.n), jnp.float16, like),
-                 _out_struct((self.n,), jnp.float32, like)]
+                 _out_struct((gm, self.n), jnp.float32, like),
+                 _out_struct((self.m, self.n), jnp.float16, like),
+                 _out_struct((1, self.n), jnp.float32, like)]
     if arrivals:
       shapes += [_out_struct((split * rows, cols), jnp.float32, like),
                  _out_struct((self.tiles,), jnp.int32, like)]
@@ -306,14 +312,19 @@ class Scales:
       index, mask = at(s)
       return plgpu.load(in_refs[0].at[index], mask=mask, other=0.0).astype(jnp.float32)
 
-    def reduce(s, carry):
+    def reduce(s, carry, x=None):
       largest, total = carry
-      x = load(s)
+      x = load(s) if x is None else x
       return (jnp.maximum(largest, jnp.max(finite_abs(x), axis=self.axis)),
               total + jnp.sum(x, axis=self.axis))
 
     zeros = jnp.zeros((self.block,), jnp.float32)
-    largest, total = lax.fori_loop(0, steps, reduce, (zeros, zeros))
+    one_step = pl.cdiv(self.shape[self.axis], self.step) == 1   # then the tile is kept
+    tile = load(0) if one_step else None
+    if one_step:
+      largest, total = reduce(0, (zeros, zeros), tile)
+    else:
+      largest, total = lax.fori_loop(0, steps, reduce, (zeros, zeros))
     plgpu.store(out_refs[0].at[part, lines], largest, mask=line_mask)
     if self.sums:
       plgpu.store(out_refs[-1].at[part, lines], total, mask=line_mask)
@@ -324,7 +335,8 @@ class Scales:
       @pl.loop(0, steps)
       def _(s):
         index, mask = at(s)
-        plgpu.store(out_refs[1].at[index], scaled_f16_operand(load(s), scale), mask=mask)
+        x = tile if one_step else load(s)
+        plgpu.store(out_refs[1].at[index], scaled_f16_operand(x, scale), mask=mask)
 
   def finish(self, outs):
     return tuple(outs)
@@ -384,13 +396,20 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   rows, row_mask = _span(pid_m, t.block_m, p.m)
   cols, col_mask = _span(pid_n, t.block_n, p.n)
   steps = pl.cdiv(pl.cdiv(p.k, t.block_k), t.split_k)
+  scale_a = scale_b = None
   if p.scaled_f16:
-    max_a_ref, max_b_ref, *x_ref = x_ref
+    max_a_ref, *x_ref = x_ref
     scale_a = f16_scale(_max_of_parts(max_a_ref, rows, row_mask))
-    scale_b = f16_scale(_max_of_parts(max_b_ref, cols, col_mask))
+    if p.speculate_b:
+      scale_b = jnp.full((t.block_n,), SPECULATED_SCALE, jnp.float32)
+    else:
+      max_b_ref, *x_ref = x_ref
+      scale_b = f16_scale(_max_of_parts(max_b_ref, cols, col_mask))
+    if p.f16_outputs:
+      a_k_max_ref, *x_ref = x_ref
 
-  def step(s, carry):
-    acc, sums = carry
+  def step(s, carry, scale_b):
+    acc, sums, b_max = carry
     ks, k_mask = _span(pid_k * steps + s, t.block_k, p.k)
     if p.transpose_a:
       a = _load(a_ref, ks, k_mask, rows, row_mask)      # [bk, bm]
@@ -400,7 +419,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
       b = _load(b_ref, cols, col_mask, ks, k_mask)      # [bn, bk]
     else:
       b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
-    tile_a = a
+    tile_a, tile_b = a, b
     if p.scaled_f16:
       a = scaled_f16_operand(a, scale_a[None, :] if p.transpose_a else scale_a[:, None])
       b = scaled_f16_operand(b, scale_b[:, None] if p.transpose_b else scale_b[None, :])
@@ -411,10 +430,23 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     # gradients on the H200 (wrong and run-to-run different; NOTES.md, 20).
     if p.row_sums:
       sums += jnp.sum(tile_a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
-    return acc, sums
+    if p.speculate_b:   # elementwise here, reduced over K once after the loop
+      b_max = jnp.maximum(b_max, finite_abs(tile_b))
+    return acc, sums, b_max
 
-  init = (jnp.zeros((t.block_m, t.block_n), jnp.float32), jnp.zeros((t.block_m,), jnp.float32))
-  acc, sums = lax.fori_loop(0, steps, step, init)
+  def contraction(scale_b):
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    b_shape = (t.block_n, t.block_k) if p.transpose_b else (t.block_k, t.block_n)
+    init = (zeros((t.block_m, t.block_n)), zeros((t.block_m,)),
+            zeros(b_shape if p.speculate_b else (1,)))
+    return lax.fori_loop(0, steps, functools.partial(step, scale_b=scale_b), init)
+
+  acc, sums, b_max = contraction(scale_b)
+  if p.speculate_b:   # rare: redo the tile with the scales its columns need
+    b_max = jnp.max(b_max, axis=1 if p.transpose_b else 0)
+    fits = jnp.min(fits_speculated(b_max).astype(jnp.int32)) == 1   # Triton has no reduce_and
+    acc = lax.cond(fits, lambda: acc, lambda: contraction(f16_scale(b_max))[0])
+    scale_b = jnp.where(fits, scale_b, f16_scale(b_max))
   if p.scaled_f16:   # exact: powers of two, applied one at a time
     acc = (acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
 
@@ -424,18 +456,20 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     x = _load(x_ref[0], rows, row_mask, cols, col_mask)
     acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
   tile_mask = row_mask[:, None] & col_mask[None, :]
-  if p.tile_maxima:
-    row_max_ref, col_max_ref = out_refs[1 + p.row_sums:3 + p.row_sums]
-    magnitude = jnp.where(tile_mask, finite_abs(acc), 0.0)
-    plgpu.store(row_max_ref.at[pid_n, rows], jnp.max(magnitude, axis=1), mask=row_mask)
-    col_max = jnp.max(magnitude, axis=0)
-    plgpu.store(col_max_ref.at[pid_m, cols], col_max, mask=col_mask)
-    if p.scaled_copy:
-      copy_ref, col_sum_ref = out_refs[3 + p.row_sums:5 + p.row_sums]
-      plgpu.store(copy_ref.at[rows[:, None], cols[None, :]],
-                  scaled_f16_operand(acc, f16_scale(col_max)[None, :]), mask=tile_mask)
-      plgpu.store(col_sum_ref.at[cols], jnp.sum(jnp.where(tile_mask, acc, 0.0), axis=0),
-                  mask=col_mask)
+  if p.f16_outputs:
+    row_max_ref, col_sum_ref, copy_ref, bound_ref = out_refs[1 + p.row_sums:5 + p.row_sums]
+    plgpu.store(row_max_ref.at[pid_n, rows],
+                jnp.max(jnp.where(tile_mask, finite_abs(acc), 0.0), axis=1), mask=row_mask)
+    plgpu.store(col_sum_ref.at[pid_m, cols], jnp.sum(jnp.where(tile_mask, acc, 0.0), axis=0),
+                mask=col_mask)
+    ks, k_mask = _span(0, pl.next_power_of_2(p.k), p.k)
+    bound = 2.0 * p.k * jnp.max(_max_of_parts(a_k_max_ref, ks, k_mask)) * b_max
+    plgpu.store(copy_ref.at[rows[:, None], cols[None, :]],
+                scaled_f16_operand(acc, f16_scale(bound)[None, :]), mask=tile_mask)
+
+    @pl.when(pid_m == 0)
+    def _():
+      plgpu.store(bound_ref.at[0, cols], bound, mask=col_mask)
   if p.counts_arrivals:
     partial_ref, counter_ref = out_refs[-2:]
     _sum_splits_when_last(p, pid_m + pl.cdiv(p.m, t.block_m) * pid_n, pid_k, acc, rows, cols,
