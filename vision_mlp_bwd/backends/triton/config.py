@@ -145,7 +145,8 @@ _THIRTY_TWO_BIT_TABLE = (
 # TF32 (DEFAULT) from S=65 to 256: every product on f16 tensor cores with
 # exact power-of-two scales (`Config.tf32_on_f16`, benchmarks/NOTES.md 20),
 # with the 16-bit rows' tiles; at S=131 a pre-activation tile spanning all S
-# (one block of rows) and 256-row input-gradient tiles (results/variants13_h200.json).
+# (one block of rows), 256-row input-gradient tiles and 32-row steps for the
+# weight gradients (results/variants13_h200.json, tune131*_h200.log).
 # Measured against the fp32-operand rows above, TF32 S=128: 49.6 against
 # 58.3 us; 131: 63.3 / 72.1; 211: 67.8 / 91.8; 256: 71.3 / 115.8. At S=64 the
 # fp32-operand row stays (42.8 against 43.9).
@@ -153,7 +154,7 @@ _TF32_ON_F16_TABLE = (
     (64, None),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
             cast_inputs=True, tf32_on_f16=True)),
-    (160, C(T(256, 32, 64, num_stages=4), T(128, 128, 64),
+    (160, C(T(256, 32, 64, num_stages=4), T(128, 128, 32),
             T(256, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
             sum_splits_in_kernel=True, tf32_on_f16=True)),
