@@ -75,7 +75,7 @@ def test_separate_launches_lower_to_four():
 def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = dataclasses.replace(triton_backend.default_config(problem), fused_casts=False,
-                               xla_weight_products=False,
+                               xla_weight_products=False, tf32_on_f16=False,  # layouts of fp32
                                **variant)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
 
@@ -84,7 +84,7 @@ def test_config_variants_lower(variant, mode):
 def test_xla_weight_products_lower_to_one_launch_and_two_dots(mode):
   problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
-                               k_major_weights=False)
+                               k_major_weights=False, tf32_on_f16=False)
   text = lower_for_cuda(problem, config=config)
   assert text.count(TRITON_CALL) == 1 + casts_launches(config, mode)
   assert text.count("stablehlo.dot_general") == 2

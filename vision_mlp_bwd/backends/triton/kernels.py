@@ -18,7 +18,9 @@ is the concatenation of their programs, each program runs the body of the
 job it belongs to. At small S every product alone fills the GPU poorly;
 grouped, their programs overlap. Besides products, a job can be a `Cast` of
 an input to a 16-bit operand dtype, so such casts ride along in a launch
-instead of taking a kernel each.
+instead of taking a kernel each, or `Scales`: the largest magnitudes (and a
+scaled f16 cast) by which TF32 products run on f16 tensor cores
+(`Product.scaled_f16`, `precision.f16_scale`).
 
 Every load and store is masked, so any M, N, K runs without reading or writing
 out of bounds. Reductions never use float atomics: a split contraction writes
