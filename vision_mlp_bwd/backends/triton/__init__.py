@@ -15,6 +15,9 @@ for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 In 32-bit modes the Config may change operand layouts for the tensor cores
 (`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
 leave the two products with a weight to XLA (`Config.xla_weight_products`).
+TF32 may instead run every product on f16 tensor cores with exact
+power-of-two scales (`Config.tf32_on_f16`, `_backward_on_f16`: a casts
+launch, then the same two launches).
 
 On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 """
@@ -147,8 +150,10 @@ def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
 
   Each product's operands are scaled by powers of two per output row and
   column (`precision.f16_scale`), so f16 holds their TF32 roundings. Launch 0
-  casts `grad_output` (by rows for the pre-activation product, by columns
-  for grad_fc2_weight) and `gelu_output`, each scaled by its measured maxima.
+  casts `grad_output` (by columns for grad_fc2_weight and, with
+  `Config.cast_inputs`, by rows for the pre-activation product, which
+  otherwise converts it itself) and `gelu_output`, each scaled by its
+  measured maxima.
   The weights' scales are speculated and checked in the products
   (`Product.speculate_b`). The pre-activation product reports its output's
   row maxima for the input gradient and writes an f16 copy for
