@@ -307,8 +307,8 @@ class Scales:
     def at(s):   # the [step, block] tile of reduced x kept lines, as stored
       reduced, mask = _span(part * steps + s, self.step, self.shape[self.axis])
       if self.axis == 0:
-        return (reduced[:, None], lines[None, :]), mask[:, None] & line_mask[None, :]
-      return (lines[:, None], reduced[None, :]), line_mask[:, None] & mask[None, :]
+        return _tile(reduced, mask, lines, line_mask)
+      return _tile(lines, line_mask, reduced, mask)
 
     def load(s):
       index, mask = at(s)
@@ -361,10 +361,15 @@ def _span(block_index, block_size, extent):
   return indices, indices < extent
 
 
+def _tile(rows, row_mask, cols, col_mask):
+  """Index and mask of the `[len(rows), len(cols)]` tile of a 2-D ref."""
+  return (rows[:, None], cols[None, :]), row_mask[:, None] & col_mask[None, :]
+
+
 def _load(ref, rows, row_mask, cols, col_mask):
   """A zero-padded `[len(rows), len(cols)]` tile of a 2-D ref."""
-  return plgpu.load(ref.at[rows[:, None], cols[None, :]],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+  index, mask = _tile(rows, row_mask, cols, col_mask)
+  return plgpu.load(ref.at[index], mask=mask, other=0.0)
 
 
 def _max_of_parts(ref, index, mask):
@@ -447,8 +452,9 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   if p.speculate_b:   # rare: redo the tile with the scales its columns need
     b_max = jnp.max(b_max, axis=1 if p.transpose_b else 0)
     fits = jnp.min(fits_speculated(b_max).astype(jnp.int32)) == 1   # Triton has no reduce_and
-    acc = lax.cond(fits, lambda: acc, lambda: contraction(f16_scale(b_max))[0])
-    scale_b = jnp.where(fits, scale_b, f16_scale(b_max))
+    exact_scale_b = f16_scale(b_max)
+    acc = lax.cond(fits, lambda: acc, lambda: contraction(exact_scale_b)[0])
+    scale_b = jnp.where(fits, scale_b, exact_scale_b)
   if p.scaled_f16:   # exact: powers of two, applied one at a time
     acc = (acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
 
