@@ -18,7 +18,7 @@ import pytest
 
 import vision_mlp_bwd
 from vision_mlp_bwd.backends.triton import kernels
-from vision_mlp_bwd.backends.triton.config import TileConfig
+from vision_mlp_bwd.backends.triton.config import Config, TileConfig
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.precision import DotMode
 from tests import helpers
@@ -116,6 +116,36 @@ def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, spl
   op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
   np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+@pytest.mark.parametrize("split_k,in_kernel", [(1, False), (2, False), (2, True)])
+def test_tail_rows_and_a_narrow_last_step_write_every_element(transpose_a, split_k, in_kernel):
+  m, n, k = 37, 45, 70    # M = 32 + 5: a 16-row tail; K = 64 + 6: unsplit, a 16-deep last step
+  tile = TileConfig(32, 32, 64, split_k=split_k, tail_m=16)
+  product = kernels.Product(m, n, k, tile, jnp.dtype(jnp.float32))
+  assert product.grid[0] == 1 and product.tail_rows == 16
+  assert product.k_steps == ((1, 16) if split_k == 1 else (1, 0))
+  key = helpers.fresh_key()
+  a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
+  b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
+  poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
+  product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
+                                       transpose_a=transpose_a, row_sums=True, out=poisoned,
+                                       sum_splits_in_kernel=in_kernel, interpret=True)
+  op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
+  np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+
+
+def test_tail_rows_only_just_past_one_block():
+  tile = TileConfig(64, 32, 32, tail_m=32)
+  for m, tail in [(64, 0), (65, 16), (80, 16), (81, 32), (96, 32), (97, 0), (200, 0)]:
+    product = kernels.Product(m, 40, 48, tile, jnp.dtype(jnp.float32))
+    assert product.tail_rows == tail, m
+    assert product.grid[0] == (1 if tail else -(-m // 64)), m
+  with pytest.raises(ValueError, match="tail_m=64"):
+    TileConfig(64, 32, 32, tail_m=64)
 
 
 @pytest.mark.parametrize("split_k,in_kernel", [(1, False), (3, False), (3, True)])
@@ -220,3 +250,20 @@ def test_config_variants_compute_the_same_gradients(variant):
   assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]
   tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
   helpers.assert_close_to_oracle(varied, helpers.backward_float64(*inputs), tolerance)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(), dict(sum_splits_in_kernel=True), dict(weights_on_left=True),
+    dict(cast_inputs=True, fused_casts=True)], ids=str)
+def test_tail_tiles_compute_the_same_gradients(variant):
+  # S = 37 = 32 + 5 and H = 40 = 32 + 8: 16-row tails; K = S: a 16-deep last step.
+  from vision_mlp_bwd.backends import triton as triton_backend
+  from vision_mlp_bwd.problem import Problem
+  mode = DotMode.F16 if "cast_inputs" in variant else DotMode.F32
+  inputs = helpers.backward_inputs(37, 40, 56)
+  problem = Problem(37, 40, 56, jnp.dtype(jnp.float32), mode)
+  tile = TileConfig(32, 32, 32, tail_m=16)
+  config = Config(tile, tile, dataclasses.replace(tile, split_k=2), **variant)
+  ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
+  tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
+  helpers.assert_close_to_oracle(ours, helpers.backward_float64(*inputs), tolerance)

@@ -26,12 +26,21 @@ class TileConfig:
   # stores of one tile overlap the loads of the next. Measured slower on the
   # H200 at S <= 256 (benchmarks/NOTES.md, section 8), hence 1 everywhere.
   tiles_per_program: int = 1
+  # Ragged M just past one block: where block_m < M <= block_m + tail_m, one
+  # block of rows, computed as block_m rows plus a second accumulator for the
+  # rest (the next power of 2 >= 16 rows) that shares B's tiles, instead of
+  # a 2 * block_m tile or a second block of rows that reads B again.
+  tail_m: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"TileConfig.{name}={value}: Triton needs a power of 2 >= 16.")
+    if self.tail_m and (self.tail_m < 16 or self.tail_m & (self.tail_m - 1)
+                        or self.tail_m >= self.block_m):
+      raise ValueError(f"TileConfig.tail_m={self.tail_m}: a power of 2 >= 16 below "
+                       f"block_m={self.block_m}, or 0.")
     for name in ("split_k", "tiles_per_program"):
       if getattr(self, name) < 1:
         raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")

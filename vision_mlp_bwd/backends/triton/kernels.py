@@ -101,8 +101,37 @@ class Product:
   def grid(self):
     """(m blocks, n-block groups, splits); m varies fastest so neighbours share B's tiles."""
     t = self.tile
-    n_blocks = pl.cdiv(self.n, t.block_n)
-    return pl.cdiv(self.m, t.block_m), pl.cdiv(n_blocks, t.tiles_per_program), t.split_k
+    m_blocks = 1 if self.tail_rows else pl.cdiv(self.m, t.block_m)
+    return m_blocks, pl.cdiv(pl.cdiv(self.n, t.block_n), t.tiles_per_program), t.split_k
+
+  @property
+  def tail_rows(self) -> int:
+    """Rows of the second part of the one row block (`TileConfig.tail_m`), or 0."""
+    t = self.tile
+    if not t.block_m < self.m <= t.block_m + t.tail_m:
+      return 0
+    return max(16, pl.next_power_of_2(self.m - t.block_m))
+
+  def row_parts(self, pid_m):
+    """The rows of row block `pid_m` as (indices, mask) parts, each with its own accumulator."""
+    parts = [_span(pid_m, self.tile.block_m, self.m)]
+    if self.tail_rows:
+      parts.append(_span(self.tile.block_m // self.tail_rows, self.tail_rows, self.m))
+    return parts
+
+  @property
+  def k_steps(self) -> tuple[int, int]:
+    """(block_k steps per split, rows of a narrower last step or 0).
+
+    Unsplit, a K that is not a multiple of block_k ends with a step of the
+    next power of 2 (>= 16) of the rest instead of a mostly masked block_k one.
+    """
+    t = self.tile
+    rest = self.k % t.block_k
+    tail = max(16, pl.next_power_of_2(rest)) if rest else t.block_k
+    if t.split_k == 1 and tail < t.block_k:
+      return self.k // t.block_k, tail
+    return pl.cdiv(pl.cdiv(self.k, t.block_k), t.split_k), 0
 
   @property
   def stored_shape(self) -> tuple[int, int]:
@@ -396,17 +425,23 @@ def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, inte
 
 def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode,
                  interpret: bool):
-  """One output tile (one split of its contraction), stored; masked at every edge."""
+  """One output tile (one split of its contraction), stored; masked at every edge.
+
+  The tile's rows come in one or two parts (`Product.tail_rows`), each with its
+  own accumulator; every contraction step loads B's tile once for both.
+  """
   a_ref, b_ref, *x_ref = in_refs
   out_ref, *row_sum_ref = out_refs[:1 + p.row_sums]
   t = p.tile
-  rows, row_mask = _span(pid_m, t.block_m, p.m)
+  parts = p.row_parts(pid_m)        # [(rows, row_mask)]
   cols, col_mask = _span(pid_n, t.block_n, p.n)
-  steps = pl.cdiv(pl.cdiv(p.k, t.block_k), t.split_k)
-  scale_a = scale_b = None
+  steps, tail_k = p.k_steps
+  b_k_axis = 1 if p.transpose_b else 0
+  scales_a = [None] * len(parts)
+  scale_b = None
   if p.scaled_f16:
     max_a_ref, *x_ref = x_ref
-    scale_a = f16_scale(_max_of_parts(max_a_ref, rows, row_mask))
+    scales_a = [f16_scale(_max_of_parts(max_a_ref, rows, mask)) for rows, mask in parts]
     if p.speculate_b:
       scale_b = jnp.full((t.block_n,), SPECULATED_SCALE, jnp.float32)
     else:
@@ -415,106 +450,147 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     if p.f16_outputs:
       a_k_max_ref, *x_ref = x_ref
 
-  def step(s, carry, scale_b):
-    acc, sums, b_max = carry
-    ks, k_mask = _span(pid_k * steps + s, t.block_k, p.k)
+  def load(ks, k_mask):
+    """The A tiles (one per part of the rows) and the B tile of contraction slice `ks`."""
     if p.transpose_a:
-      a = _load(a_ref, ks, k_mask, rows, row_mask)      # [bk, bm]
+      a = [_load(a_ref, ks, k_mask, rows, mask) for rows, mask in parts]   # [bk, rows]
     else:
-      a = _load(a_ref, rows, row_mask, ks, k_mask)      # [bm, bk]
+      a = [_load(a_ref, rows, mask, ks, k_mask) for rows, mask in parts]   # [rows, bk]
     if p.transpose_b:
-      b = _load(b_ref, cols, col_mask, ks, k_mask)      # [bn, bk]
-    else:
-      b = _load(b_ref, ks, k_mask, cols, col_mask)      # [bk, bn]
-    tile_a, tile_b = a, b
+      return a, _load(b_ref, cols, col_mask, ks, k_mask)                   # [bn, bk]
+    return a, _load(b_ref, ks, k_mask, cols, col_mask)                     # [bk, bn]
+
+  def multiply(tiles, accs, sums, scale_b):
+    """The accumulators (and row sums) plus one contraction step's products."""
+    a_tiles, b = tiles
     if p.scaled_f16:
-      a = scaled_f16_operand(a, scale_a[None, :] if p.transpose_a else scale_a[:, None])
       b = scaled_f16_operand(b, scale_b[:, None] if p.transpose_b else scale_b[None, :])
-    acc += kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
-                      contract_b=1 if p.transpose_b else 0,
-                      lhs_in_registers=p.lhs_in_registers)
-    # After the dot: summing first made Triton miscompile the 16-bit weight
-    # gradients on the H200 (wrong and run-to-run different; NOTES.md, 20).
-    if p.row_sums:
-      sums += jnp.sum(tile_a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
-    if p.speculate_b:   # elementwise here, reduced over K once after the loop
-      b_max = jnp.maximum(b_max, finite_abs(tile_b))
-    return acc, sums, b_max
+    new_accs, new_sums = [], []
+    for acc, total, a, scale_a in zip(accs, sums, a_tiles, scales_a):
+      tile_a = a
+      if p.scaled_f16:
+        a = scaled_f16_operand(a, scale_a[None, :] if p.transpose_a else scale_a[:, None])
+      new_accs.append(acc + kernel_dot(a, b, mode, contract_a=0 if p.transpose_a else 1,
+                                       contract_b=b_k_axis, lhs_in_registers=p.lhs_in_registers))
+      # After the dot: summing first made Triton miscompile the 16-bit weight
+      # gradients on the H200 (wrong and run-to-run different; NOTES.md, 20).
+      if p.row_sums:
+        total = total + jnp.sum(tile_a.astype(jnp.float32), axis=0 if p.transpose_a else 1)
+      new_sums.append(total)
+    return new_accs, new_sums
 
   def contraction(scale_b):
+    """The accumulators, row sums and (speculate_b) the largest |B| per column."""
     zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
     b_shape = (t.block_n, t.block_k) if p.transpose_b else (t.block_k, t.block_n)
-    init = (zeros((t.block_m, t.block_n)), zeros((t.block_m,)),
-            zeros(b_shape if p.speculate_b else (1,)))
-    return lax.fori_loop(0, steps, functools.partial(step, scale_b=scale_b), init)
+    # The narrower last step's tiles load before the loop, so their latency hides behind it.
+    tail = load(*_span(steps * t.block_k // tail_k, tail_k, p.k)) if tail_k else None
 
-  acc, sums, b_max = contraction(scale_b)
+    def step(s, carry):
+      accs, sums, b_max = carry
+      tiles = load(*_span(pid_k * steps + s, t.block_k, p.k))
+      accs, sums = multiply(tiles, accs, sums, scale_b)
+      if p.speculate_b:   # elementwise here, reduced over K once after the loop
+        b_max = jnp.maximum(b_max, finite_abs(tiles[1]))
+      return accs, sums, b_max
+
+    init = ([zeros((rows.shape[0], t.block_n)) for rows, _ in parts],
+            [zeros((rows.shape[0],)) for rows, _ in parts],
+            zeros(b_shape if p.speculate_b else (1,)))
+    accs, sums, b_max = lax.fori_loop(0, steps, step, init)
+    if p.speculate_b:
+      b_max = jnp.max(b_max, axis=b_k_axis)
+    if tail_k:
+      accs, sums = multiply(tail, accs, sums, scale_b)
+      if p.speculate_b:
+        b_max = jnp.maximum(b_max, jnp.max(finite_abs(tail[1]), axis=b_k_axis))
+    return accs, sums, b_max
+
+  accs, sums, b_max = contraction(scale_b)
   if p.speculate_b:   # rare: redo the tile with the scales its columns need
-    b_max = jnp.max(b_max, axis=1 if p.transpose_b else 0)
     fits = jnp.min(fits_speculated(b_max).astype(jnp.int32)) == 1   # Triton has no reduce_and
     exact_scale_b = f16_scale(b_max)
-    acc = lax.cond(fits, lambda: acc, lambda: contraction(exact_scale_b)[0])
+    accs = lax.cond(fits, lambda: accs, lambda: contraction(exact_scale_b)[0])
     scale_b = jnp.where(fits, scale_b, exact_scale_b)
   if p.scaled_f16:   # exact: powers of two, applied one at a time
-    acc = (acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
+    accs = [(acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
+            for acc, scale_a in zip(accs, scales_a)]
 
-  if p.store_transposed:  # the tile as stored: [bn, bm] of C.T
-    acc, rows, row_mask, cols, col_mask = acc.T, cols, col_mask, rows, row_mask
+  pieces = []   # (tile as stored, its rows, row mask, columns, column mask)
+  for acc, (rows, row_mask) in zip(accs, parts):
+    if p.store_transposed:  # the tile as stored: [bn, rows] of C.T
+      pieces.append((acc.T, cols, col_mask, rows, row_mask))
+    else:
+      pieces.append((acc, rows, row_mask, cols, col_mask))
   if p.fuse_gelu:
-    x = _load(x_ref[0], rows, row_mask, cols, col_mask)
-    acc = acc * gelu_tanh_grad(x.astype(jnp.float32))
-  tile_mask = row_mask[:, None] & col_mask[None, :]
+    pieces = [(acc * gelu_tanh_grad(_load(x_ref[0], *piece).astype(jnp.float32)), *piece)
+              for acc, *piece in pieces]
   if p.f16_outputs:
-    row_max_ref, col_sum_ref, copy_ref, bound_ref = out_refs[1 + p.row_sums:5 + p.row_sums]
-    plgpu.store(row_max_ref.at[pid_n, rows],
-                jnp.max(jnp.where(tile_mask, finite_abs(acc), 0.0), axis=1), mask=row_mask)
-    plgpu.store(col_sum_ref.at[pid_m, cols], jnp.sum(jnp.where(tile_mask, acc, 0.0), axis=0),
-                mask=col_mask)
-    ks, k_mask = _span(0, pl.next_power_of_2(p.k), p.k)
-    bound = 2.0 * p.k * jnp.max(_max_of_parts(a_k_max_ref, ks, k_mask)) * b_max
-    plgpu.store(copy_ref.at[rows[:, None], cols[None, :]],
-                scaled_f16_operand(acc, f16_scale(bound)[None, :]), mask=tile_mask)
-
-    @pl.when(pid_m == 0)
-    def _():
-      plgpu.store(bound_ref.at[0, cols], bound, mask=col_mask)
+    _store_f16_outputs(p, pid_m, pid_n, pieces, b_max, out_refs[1 + p.row_sums:5 + p.row_sums],
+                       a_k_max_ref)
   if p.counts_arrivals:
     partial_ref, counter_ref = out_refs[-2:]
-    _sum_splits_when_last(p, pid_m + pl.cdiv(p.m, t.block_m) * pid_n, pid_k, acc, rows, cols,
-                          tile_mask, out_ref, partial_ref, counter_ref, interpret)
+    _sum_splits_when_last(p, pid_m + p.grid[0] * pid_n, pid_k, pieces, out_ref, partial_ref,
+                          counter_ref, interpret)
   else:
-    out_rows = pid_k * p.stored_shape[0] + rows
-    plgpu.store(out_ref.at[out_rows[:, None], cols[None, :]], acc.astype(out_ref.dtype),
-                mask=tile_mask)
+    for acc, rows, row_mask, cols_, col_mask_ in pieces:
+      index, mask = _tile(pid_k * p.stored_shape[0] + rows, row_mask, cols_, col_mask_)
+      plgpu.store(out_ref.at[index], acc.astype(out_ref.dtype), mask=mask)
   if p.row_sums:
-    m_rows, m_mask = (cols, col_mask) if p.store_transposed else (rows, row_mask)
     @pl.when(pid_n == 0)
     def _():
-      plgpu.store(row_sum_ref[0].at[pid_k * p.m + m_rows], sums, mask=m_mask)
+      for total, (rows, row_mask) in zip(sums, parts):
+        plgpu.store(row_sum_ref[0].at[pid_k * p.m + rows], total, mask=row_mask)
 
 
-def _sum_splits_when_last(p: Product, tile_index, pid_k, acc, rows, cols, mask, out_ref,
-                          partial_ref, counter_ref, interpret):
+def _store_f16_outputs(p: Product, pid_m, pid_n, pieces, b_max, refs, a_k_max_ref):
+  """`Product.f16_outputs`: row maxima, column sums, the bound-scaled f16 copy and the bound."""
+  row_max_ref, col_sum_ref, copy_ref, bound_ref = refs
+  ks, k_mask = _span(0, pl.next_power_of_2(p.k), p.k)
+  bound = 2.0 * p.k * jnp.max(_max_of_parts(a_k_max_ref, ks, k_mask)) * b_max
+  copy_scale = f16_scale(bound)[None, :]
+  col_sums = 0.0
+  for acc, rows, row_mask, cols, col_mask in pieces:
+    index, mask = _tile(rows, row_mask, cols, col_mask)
+    plgpu.store(row_max_ref.at[pid_n, rows],
+                jnp.max(jnp.where(mask, finite_abs(acc), 0.0), axis=1), mask=row_mask)
+    col_sums = col_sums + jnp.sum(jnp.where(mask, acc, 0.0), axis=0)
+    plgpu.store(copy_ref.at[index], scaled_f16_operand(acc, copy_scale), mask=mask)
+  plgpu.store(col_sum_ref.at[pid_m, cols], col_sums, mask=col_mask)
+
+  @pl.when(pid_m == 0)
+  def _():
+    plgpu.store(bound_ref.at[0, cols], bound, mask=col_mask)
+
+
+def _sum_splits_when_last(p: Product, tile_index, pid_k, pieces, out_ref, partial_ref,
+                          counter_ref, interpret):
   """Stores this split's partial tile; the tile's last program to arrive sums all of them.
 
-  The barrier orders every thread's partial store before the counter's
+  The barrier orders every thread's partial stores before the counter's
   acquire-release increment (GPU scope), as CUTLASS's semaphores do; the sum
   runs in split order, so its bits do not depend on which program came last.
   """
   split_rows = p.stored_shape[0]
-  def at(split):
-    return (split * split_rows + rows)[:, None], cols[None, :]
-  plgpu.store(partial_ref.at[at(pid_k)], acc, mask=mask)
+
+  def at(split, rows, row_mask, cols, col_mask):   # a piece's tile in split `split`'s partial
+    return _tile(split * split_rows + rows, row_mask, cols, col_mask)
+
+  for acc, *piece in pieces:
+    index, mask = at(pid_k, *piece)
+    plgpu.store(partial_ref.at[index], acc, mask=mask)
   if not interpret:  # programs run one after another there
     plgpu.debug_barrier()
   arrived = plgpu.atomic_add(counter_ref, (tile_index,), jnp.int32(1))
 
   @pl.when(arrived == p.tile.split_k - 1)
   def _():
-    total = plgpu.load(partial_ref.at[at(0)], mask=mask, other=0.0)
-    for split in range(1, p.tile.split_k):
-      total += plgpu.load(partial_ref.at[at(split)], mask=mask, other=0.0)
-    plgpu.store(out_ref.at[rows[:, None], cols[None, :]], total.astype(out_ref.dtype), mask=mask)
+    for _, *piece in pieces:
+      index, mask = at(0, *piece)
+      total = plgpu.load(partial_ref.at[index], mask=mask, other=0.0)
+      for split in range(1, p.tile.split_k):
+        total += plgpu.load(partial_ref.at[at(split, *piece)[0]], mask=mask, other=0.0)
+      plgpu.store(out_ref.at[_tile(*piece)[0]], total.astype(out_ref.dtype), mask=mask)
 
 
 def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
