@@ -303,6 +303,7 @@ def main():
   args = parser.parse_args()
 
   h, i = args.hidden, args.intermediate
+  os.makedirs(args.out, exist_ok=True)
   if args.search_configs:
     search_configs(args.seq_lens, args.modes, h, i, args.rounds, args.iterations,
                    os.path.join(args.out, "search.json"), args.seeds)

@@ -122,7 +122,7 @@ def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, spl
 @pytest.mark.parametrize("split_k,in_kernel", [(1, False), (2, False), (2, True)])
 def test_tail_rows_and_a_narrow_last_step_write_every_element(transpose_a, split_k, in_kernel):
   m, n, k = 37, 45, 70    # M = 32 + 5: a 16-row tail; K = 64 + 6: unsplit, a 16-deep last step
-  tile = TileConfig(32, 32, 64, split_k=split_k, tail_m=16)
+  tile = TileConfig(32, 32, 64, split_k=split_k, tail_m=16, tail_k=16)
   product = kernels.Product(m, n, k, tile, jnp.dtype(jnp.float32))
   assert product.grid[0] == 1 and product.tail_rows == 16
   assert product.k_steps == ((1, 16) if split_k == 1 else (1, 0))
@@ -138,14 +138,17 @@ def test_tail_rows_and_a_narrow_last_step_write_every_element(transpose_a, split
   np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
 
 
-def test_tail_rows_only_just_past_one_block():
-  tile = TileConfig(64, 32, 32, tail_m=32)
-  for m, tail in [(64, 0), (65, 16), (80, 16), (81, 32), (96, 32), (97, 0), (200, 0)]:
+def test_tails_only_just_past_one_block_or_step():
+  tile = TileConfig(64, 32, 64, tail_m=32, tail_k=16)
+  for m, tail in [(64, 0), (65, 32), (96, 32), (97, 0), (200, 0)]:
     product = kernels.Product(m, 40, 48, tile, jnp.dtype(jnp.float32))
     assert product.tail_rows == tail, m
     assert product.grid[0] == (1 if tail else -(-m // 64)), m
-  with pytest.raises(ValueError, match="tail_m=64"):
-    TileConfig(64, 32, 32, tail_m=64)
+  for k, steps in [(64, (1, 0)), (65, (1, 16)), (80, (1, 16)), (81, (2, 0)), (7, (0, 16))]:
+    assert kernels.Product(40, 40, k, tile, jnp.dtype(jnp.float32)).k_steps == steps, k
+  for bad in (dict(tail_m=64), dict(tail_m=24), dict(tail_k=8)):
+    with pytest.raises(ValueError, match="tail_"):
+      TileConfig(64, 32, 64, **bad)
 
 
 @pytest.mark.parametrize("split_k,in_kernel", [(1, False), (3, False), (3, True)])
@@ -262,7 +265,7 @@ def test_tail_tiles_compute_the_same_gradients(variant):
   mode = DotMode.F16 if "cast_inputs" in variant else DotMode.F32
   inputs = helpers.backward_inputs(37, 40, 56)
   problem = Problem(37, 40, 56, jnp.dtype(jnp.float32), mode)
-  tile = TileConfig(32, 32, 32, tail_m=16)
+  tile = TileConfig(32, 32, 32, tail_m=16, tail_k=16)
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), **variant)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   tolerance = 2e-3 if mode == DotMode.F16 else 1e-5

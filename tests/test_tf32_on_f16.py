@@ -152,7 +152,7 @@ def test_backward_on_f16_with_tail_tiles(in_kernel, far):
     for index, exponent in [(0, -40), (2, 20), (4, -30)]:
       inputs[index] = inputs[index] * 2.0 ** exponent
   problem = Problem(37, 40, 72, jnp.dtype(jnp.float32), DotMode.TF32)
-  tile = TileConfig(32, 32, 32, tail_m=16)
+  tile = TileConfig(32, 32, 32, tail_m=16, tail_k=16)
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), tf32_on_f16=True,
                   cast_inputs=not far, sum_splits_in_kernel=in_kernel)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)

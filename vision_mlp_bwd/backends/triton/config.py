@@ -27,20 +27,25 @@ class TileConfig:
   # H200 at S <= 256 (benchmarks/NOTES.md, section 8), hence 1 everywhere.
   tiles_per_program: int = 1
   # Ragged M just past one block: where block_m < M <= block_m + tail_m, one
-  # block of rows, computed as block_m rows plus a second accumulator for the
-  # rest (the next power of 2 >= 16 rows) that shares B's tiles, instead of
-  # a 2 * block_m tile or a second block of rows that reads B again.
+  # block of rows, computed as block_m rows plus a second accumulator of
+  # tail_m rows that shares B's tiles, instead of a 2 * block_m tile or a
+  # second block of rows that reads B again. wgmma takes 64 rows per group of
+  # 4 warps; fewer run as older, smaller mma instructions.
   tail_m: int = 0
+  # Ragged K: where 0 < K % block_k <= tail_k (and split_k = 1), the last
+  # contraction step takes tail_k rows instead of a mostly masked block_k.
+  tail_k: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"TileConfig.{name}={value}: Triton needs a power of 2 >= 16.")
-    if self.tail_m and (self.tail_m < 16 or self.tail_m & (self.tail_m - 1)
-                        or self.tail_m >= self.block_m):
-      raise ValueError(f"TileConfig.tail_m={self.tail_m}: a power of 2 >= 16 below "
-                       f"block_m={self.block_m}, or 0.")
+    for name, block in (("tail_m", self.block_m), ("tail_k", self.block_k)):
+      value = getattr(self, name)
+      if value and (value < 16 or value & (value - 1) or value >= block):
+        raise ValueError(f"TileConfig.{name}={value}: a power of 2 >= 16 below "
+                         f"{name.replace('tail', 'block')}={block}, or 0.")
     for name in ("split_k", "tiles_per_program"):
       if getattr(self, name) < 1:
         raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")

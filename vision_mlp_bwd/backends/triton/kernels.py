@@ -108,9 +108,7 @@ class Product:
   def tail_rows(self) -> int:
     """Rows of the second part of the one row block (`TileConfig.tail_m`), or 0."""
     t = self.tile
-    if not t.block_m < self.m <= t.block_m + t.tail_m:
-      return 0
-    return max(16, pl.next_power_of_2(self.m - t.block_m))
+    return t.tail_m if t.block_m < self.m <= t.block_m + t.tail_m else 0
 
   def row_parts(self, pid_m):
     """The rows of row block `pid_m` as (indices, mask) parts, each with its own accumulator."""
@@ -121,16 +119,10 @@ class Product:
 
   @property
   def k_steps(self) -> tuple[int, int]:
-    """(block_k steps per split, rows of a narrower last step or 0).
-
-    Unsplit, a K that is not a multiple of block_k ends with a step of the
-    next power of 2 (>= 16) of the rest instead of a mostly masked block_k one.
-    """
+    """(block_k steps per split, rows of a narrower last step or 0): see `TileConfig.tail_k`."""
     t = self.tile
-    rest = self.k % t.block_k
-    tail = max(16, pl.next_power_of_2(rest)) if rest else t.block_k
-    if t.split_k == 1 and tail < t.block_k:
-      return self.k // t.block_k, tail
+    if t.split_k == 1 and 0 < self.k % t.block_k <= t.tail_k:
+      return self.k // t.block_k, t.tail_k
     return pl.cdiv(pl.cdiv(self.k, t.block_k), t.split_k), 0
 
   @property
@@ -483,8 +475,6 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     """The accumulators, row sums and (speculate_b) the largest |B| per column."""
     zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
     b_shape = (t.block_n, t.block_k) if p.transpose_b else (t.block_k, t.block_n)
-    # The narrower last step's tiles load before the loop, so their latency hides behind it.
-    tail = load(*_span(steps * t.block_k // tail_k, tail_k, p.k)) if tail_k else None
 
     def step(s, carry):
       accs, sums, b_max = carry
@@ -501,6 +491,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     if p.speculate_b:
       b_max = jnp.max(b_max, axis=b_k_axis)
     if tail_k:
+      tail = load(*_span(steps * t.block_k // tail_k, tail_k, p.k))
       accs, sums = multiply(tail, accs, sums, scale_b)
       if p.speculate_b:
         b_max = jnp.maximum(b_max, jnp.max(finite_abs(tail[1]), axis=b_k_axis))
