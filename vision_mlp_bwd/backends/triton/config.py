@@ -129,9 +129,11 @@ _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
             cast_inputs=True, fused_casts=True)),
-    (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
+    (144, C(T(128, 32, 64, num_stages=4, tail_m=16), T(128, 128, 64),
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,
             fused_casts=True)),                                                  # S=131
+    (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
+            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True)),
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
             fused_casts=True, sum_splits_in_kernel=True)),
     (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
@@ -158,21 +160,25 @@ _THIRTY_TWO_BIT_TABLE = (
 
 # TF32 (DEFAULT) from S=65 to 256: every product on f16 tensor cores with
 # exact power-of-two scales (`Config.tf32_on_f16`, benchmarks/NOTES.md 20),
-# with the 16-bit rows' tiles; at S=131 a pre-activation tile spanning all S
-# (one block of rows), 256-row input-gradient tiles and 32-row steps for the
-# weight gradients (results/variants13_h200.json, tune131*_h200.log).
+# with the 16-bit rows' tiles, then searched for this path (`tune
+# --search-configs`, NOTES.md 21): at S=131 a pre-activation tile of 128 rows
+# plus a 16-row tail (one block of rows, to S=144; a 256-row tile above) and
+# 64-row input-gradient tiles; at
+# S=256 one 256-row pre-activation block and 32-deep steps.
 # Measured against the fp32-operand rows above, TF32 S=128: 49.6 against
-# 58.3 us; 131: 63.3 / 72.1; 211: 67.8 / 91.8; 256: 71.3 / 115.8. At S=64 the
+# 58.3 us; 131: 58.2 / 72.1; 211: 67.8 / 91.8; 256: 66.0 / 115.8. At S=64 the
 # fp32-operand row stays (42.8 against 43.9).
 _TF32_ON_F16_TABLE = (
     (64, None),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
             cast_inputs=True, tf32_on_f16=True)),
+    (144, C(T(128, 32, 64, num_stages=4, tail_m=16), T(128, 128, 32),
+            T(64, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
     (160, C(T(256, 32, 64, num_stages=4), T(128, 128, 32),
-            T(256, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
+            T(64, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
             sum_splits_in_kernel=True, tf32_on_f16=True)),
-    (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
+    (256, C(T(256, 64, 64, num_warps=8), T(128, 128, 32), T(128, 64, 32, split_k=4),
             cast_inputs=True, sum_splits_in_kernel=True, tf32_on_f16=True)),
     (None, None),
 )
