@@ -137,3 +137,14 @@ def test_tf32_on_f16_lowers_to_three_triton_launches(tokens):
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
   config = triton_backend.config.on_f16_config(problem)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
+
+
+@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
+def test_tail_tiles_lower(mode):
+  # S = 131: 128 + 3 rows; the tables' tail rows, and a 16-deep last step over S.
+  problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = triton_backend.default_config(problem)
+  assert config.pre_activation.tail_m == 16
+  config = dataclasses.replace(config, weight_grads=dataclasses.replace(
+      config.weight_grads, tail_k=16))
+  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3

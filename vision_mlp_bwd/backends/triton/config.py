@@ -124,7 +124,9 @@ C = Config
 # results/search_*_h200.json): in a grouped launch the first product's warps
 # and pipeline depth serve both products, so tiles tuned one launch at a time
 # (results/tune*_h200.*, the rows above S=256) were up to 30% off.
-# benchmarks/NOTES.md tells the story. Rows: (largest S or None, Config).
+# benchmarks/NOTES.md tells the story. At S=129-144 the 16-bit pre-activation
+# block is 128 rows plus a 16-row tail (51.5 against 52.1 us at F16 S=131,
+# results/tails2_h200.log). Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
@@ -241,14 +243,14 @@ def interpret_config(problem: Problem) -> Config:
 # Where the automatic choice takes the Triton kernels over XLA: per DotMode, the
 # S ranges (inclusive; None = no upper end) around the seed cases where they
 # measured at least 8% faster than XLA at the same precision in the same run.
-# S <= 256: benchmarks/results/h200_20261129-213131.md and -213848.md (TF32,
-# F16, HIGHEST; TF32 on f16 tensor cores from S=65) and
-# h200_bf16_20261129-195442.md, with the earlier runs of tests/test_routing.py
-# agreeing; above: h200_20261129-154647.md.
+# S <= 256: benchmarks/results/h200_20261129-224039.md (TF32, F16, HIGHEST;
+# TF32 on f16 tensor cores from S=65) and h200_bf16_20261129-195442.md and
+# -223832.md, with the earlier runs of tests/test_routing.py agreeing; above:
+# h200_20261129-154647.md.
 # Ties (within the ~5% run-to-run spread) go to XLA; so do modes not listed.
 TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
-    DotMode.TF32: ((1, 256),),                 # 1.28-1.39x at every seed S <= 256
-    DotMode.F16: ((1, 256),),                  # 1.32-1.43x at every seed S <= 256
+    DotMode.TF32: ((1, 256),),                 # 1.33-1.50x at every seed S <= 256
+    DotMode.F16: ((1, 256),),                  # 1.29-1.44x at every seed S <= 256
     DotMode.BF16: ((1, 256),),                 # 1.27-1.43x at every seed S <= 256
     DotMode.HIGHEST: ((1, 64), (289, None)),   # 1.08x; 1.12x at 293, 1.5-1.8x above
 }
