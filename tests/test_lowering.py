@@ -148,3 +148,12 @@ def test_tail_tiles_lower(mode):
   config = dataclasses.replace(config, weight_grads=dataclasses.replace(
       config.weight_grads, tail_k=16))
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
+@pytest.mark.parametrize("tokens", [144, 145, 160])
+def test_rows_between_seed_cases_lower(tokens, mode):
+  # Where the 16-row tail stops covering S (144) and the next row takes over.
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  config = triton_backend.default_config(problem)
+  assert lower_for_cuda(problem).count(TRITON_CALL) == 2 + casts_launches(config, mode)
