@@ -524,8 +524,8 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     _sum_splits_when_last(p, pid_m + p.grid[0] * pid_n, pid_k, pieces, out_ref, partial_ref,
                           counter_ref, interpret)
   else:
-    for acc, rows, row_mask, cols_, col_mask_ in pieces:
-      index, mask = _tile(pid_k * p.stored_shape[0] + rows, row_mask, cols_, col_mask_)
+    for acc, rows, *masks_and_cols in pieces:   # this split's rows of a split output
+      index, mask = _tile(pid_k * p.stored_shape[0] + rows, *masks_and_cols)
       plgpu.store(out_ref.at[index], acc.astype(out_ref.dtype), mask=mask)
   if p.row_sums:
     @pl.when(pid_n == 0)
