@@ -131,13 +131,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                                       fc1_weight)
     counters = ([(Zeros(input_grad_product.tiles), ())]
                 if input_grad_product.counts_arrivals else [])
-    # The casts' programs come right after the pre-activation product's (its
-    # long chains start first), so that their traffic overlaps those chains.
-    grad_pre, *rest, (grad_fc2_weight, grad_fc2_bias) = launch([
+    grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
         by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
+        weight_grad(acts["grad_output"], acts["gelu_output"]),
         *[(Cast(x.shape, operand_dtype), (x,)) for x in late_casts.values()],
         *counters,
-        weight_grad(acts["grad_output"], acts["gelu_output"]),
     ], "mlp_backward_1")
     acts.update(zip(late_casts, rest))
     fc1_weight = acts.pop("fc1_weight", fc1_weight)
