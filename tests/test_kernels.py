@@ -267,10 +267,7 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
     dict(cast_inputs=True, fused_casts=True, xla_weight_products=True),
     dict(sum_splits_in_kernel=True), dict(sum_splits_in_kernel=True, group_launches=False),
     dict(sum_splits_in_kernel=True, weights_on_left=True),
-    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True),
-    dict(cast_inputs=True, fused_casts=True, cast_fc1_weight=True),
-    dict(cast_inputs=True, fused_casts=True, cast_fc1_weight=True, sum_splits_in_kernel=True,
-         weights_on_left=True)], ids=str)
+    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem
@@ -287,8 +284,7 @@ def test_config_variants_compute_the_same_gradients(variant):
   if variant.get("fused_casts"):  # Pallas rounds to f16 as XLA's convert does: bit for bit
     xla_casts = triton_backend.backward(
         *inputs, problem=problem,
-        config=dataclasses.replace(config, **{**variant, "fused_casts": False,
-                                              "cast_fc1_weight": False}), interpret=True)
+        config=dataclasses.replace(config, **{**variant, "fused_casts": False}), interpret=True)
     for a, b in zip(xla_casts, varied):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]

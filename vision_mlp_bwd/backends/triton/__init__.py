@@ -78,9 +78,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       early = list(acts)
     else:
       early, late = ["grad_output", "gelu_output"], ["hidden_state"]
-  late_casts = {n: acts[n] for n in late}   # inside launch 1, with fc1_weight perhaps
-  if late and config.cast_fc1_weight:
-    late_casts["fc1_weight"] = fc1_weight
   if early:
     acts.update(zip(early, run([Cast(acts[n].shape, operand_dtype) for n in early],
                                [(acts[n],) for n in early], name="mlp_backward_casts")))
@@ -134,11 +131,10 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
         by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
         weight_grad(acts["grad_output"], acts["gelu_output"]),
-        *[(Cast(x.shape, operand_dtype), (x,)) for x in late_casts.values()],
+        *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
         *counters,
     ], "mlp_backward_1")
-    acts.update(zip(late_casts, rest))
-    fc1_weight = acts.pop("fc1_weight", fc1_weight)
+    acts.update(zip(late, rest))
     grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
                   counters=rest[-1] if counters else None),

@@ -81,10 +81,6 @@ class Config:
   # hidden_state (needed only by the second) inside the first launch.
   # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
-  # With fused_casts: fc1_weight too is cast by a Pallas job inside launch 1,
-  # where its traffic can overlap the products, so that launch 2's input
-  # gradient multiplies 16-bit weight tiles it need not convert.
-  cast_fc1_weight: bool = False
   # fp32 wgmma operands must be K-major in shared memory; an operand that is
   # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
   # can come from registers instead (`Product.lhs_in_registers`), so only the
@@ -121,11 +117,6 @@ class Config:
   tf32_on_f16: bool = False
 
   def __post_init__(self):
-    if self.cast_fc1_weight and (not self.fused_casts or self.cast_weights
-                                 or self.k_major_weights or self.xla_weight_products):
-      raise ValueError("Config.cast_fc1_weight casts fc1_weight inside launch 1: it needs "
-                       "fused_casts, and neither cast_weights, k_major_weights nor "
-                       "xla_weight_products.")
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")
