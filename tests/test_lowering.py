@@ -150,17 +150,6 @@ def test_tail_tiles_lower(mode):
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
 
 
-@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
-def test_narrow_last_row_blocks_lower(mode):
-  # S = 211 = 128 + 83: the last block of both products over S is 64 + 32 rows.
-  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = triton_backend.default_config(problem)
-  narrow = {role: dataclasses.replace(getattr(config, role), last_m=64, tail_m=32)
-            for role in ("pre_activation", "input_grad")}
-  config = dataclasses.replace(config, **narrow)
-  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
-
-
 @pytest.mark.parametrize("mode", MODES, ids=lambda m: m.value)
 @pytest.mark.parametrize("tokens", [144, 145, 160])
 def test_rows_between_seed_cases_lower(tokens, mode):

@@ -32,12 +32,6 @@ class TileConfig:
   # second block of rows that reads B again. wgmma takes 64 rows per group of
   # 4 warps; fewer run as older, smaller mma instructions.
   tail_m: int = 0
-  # Ragged M past several blocks: where the rows after the whole blocks number
-  # r = M % block_m with 0 < r <= last_m (+ tail_m), the last block of rows is
-  # last_m rows (plus a tail_m part when r > last_m) instead of block_m, so it
-  # pads less (S = 211 = 128 + 83: 64 + 32 rows, not 128). Where tail_m covers
-  # M in one block, that comes first.
-  last_m: int = 0
   # Ragged K: where 0 < K % block_k <= tail_k (and split_k = 1), the last
   # contraction step takes tail_k rows instead of a mostly masked block_k.
   tail_k: int = 0
@@ -47,12 +41,11 @@ class TileConfig:
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"TileConfig.{name}={value}: Triton needs a power of 2 >= 16.")
-    for name, block in (("tail_m", self.block_m), ("last_m", self.block_m),
-                        ("tail_k", self.block_k)):
+    for name, block in (("tail_m", self.block_m), ("tail_k", self.block_k)):
       value = getattr(self, name)
       if value and (value < 16 or value & (value - 1) or value >= block):
         raise ValueError(f"TileConfig.{name}={value}: a power of 2 >= 16 below "
-                         f"block_{name[-1]}={block}, or 0.")
+                         f"{name.replace('tail', 'block')}={block}, or 0.")
     for name in ("split_k", "tiles_per_program"):
       if getattr(self, name) < 1:
         raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")

@@ -110,28 +110,11 @@ class Product:
     t = self.tile
     return t.tail_m if t.block_m < self.m <= t.block_m + t.tail_m else 0
 
-  @property
-  def last_block_rows(self) -> tuple[int, ...]:
-    """Row counts of the parts of a narrower last row block (`TileConfig.last_m`), or ()."""
-    t = self.tile
-    rest = self.m % t.block_m
-    if not t.last_m or self.tail_rows or rest == 0 or rest > t.last_m + t.tail_m:
-      return ()
-    return (t.last_m,) if rest <= t.last_m else (t.last_m, t.tail_m)
-
-  def row_parts(self, pid_m, last=False):
-    """The rows of row block `pid_m` (or of the narrower `last` one) as (indices, mask)
-    parts, each with its own accumulator."""
-    t = self.tile
-    if last:
-      sizes, start = self.last_block_rows, self.m // t.block_m * t.block_m
-    else:
-      sizes = (t.block_m, self.tail_rows) if self.tail_rows else (t.block_m,)
-      start = pid_m * t.block_m
-    parts = []
-    for size in sizes:
-      parts.append(_span_from(start, size, self.m))
-      start += size
+  def row_parts(self, pid_m):
+    """The rows of row block `pid_m` as (indices, mask) parts, each with its own accumulator."""
+    parts = [_span(pid_m, self.tile.block_m, self.m)]
+    if self.tail_rows:
+      parts.append(_span(self.tile.block_m // self.tail_rows, self.tail_rows, self.m))
     return parts
 
   @property
@@ -395,12 +378,7 @@ def _out_struct(shape, dtype, like):
 
 def _span(block_index, block_size, extent):
   """Indices of one tile along an axis and the mask of those inside `extent`."""
-  return _span_from(block_index * block_size, block_size, extent)
-
-
-def _span_from(start, size, extent):
-  """Indices `start, ..., start + size - 1` and the mask of those inside `extent`."""
-  indices = start + jnp.arange(size)
+  indices = block_index * block_size + jnp.arange(block_size)
   return indices, indices < extent
 
 
@@ -429,33 +407,25 @@ def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, inte
   gm, gn, _ = p.grid
   pid_m, group, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
   first_n = group * p.tile.tiles_per_program
-
-  def tiles(last):   # `last`: this is the narrower last row block
-    if p.tile.tiles_per_program == 1:
-      _output_tile(p, pid_m, first_n, pid_k, last, in_refs, out_refs, mode, interpret)
-    else:
-      @pl.loop(0, p.tile.tiles_per_program)
-      def _(j):
-        _output_tile(p, pid_m, first_n + j, pid_k, last, in_refs, out_refs, mode, interpret)
-
-  if not p.last_block_rows:
-    tiles(last=False)
-  else:   # two bodies, one per row block shape
-    pl.when(pid_m < gm - 1)(lambda: tiles(last=False))
-    pl.when(pid_m == gm - 1)(lambda: tiles(last=True))
+  if p.tile.tiles_per_program == 1:
+    _output_tile(p, pid_m, first_n, pid_k, in_refs, out_refs, mode, interpret)
+  else:
+    @pl.loop(0, p.tile.tiles_per_program)
+    def _(j):
+      _output_tile(p, pid_m, first_n + j, pid_k, in_refs, out_refs, mode, interpret)
 
 
-def _output_tile(p: Product, pid_m, pid_n, pid_k, last, in_refs, out_refs, mode: DotMode,
+def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode,
                  interpret: bool):
   """One output tile (one split of its contraction), stored; masked at every edge.
 
-  The tile's rows come in one or two parts (`Product.row_parts`), each with its
-  own accumulator; every contraction step loads B's tile once for all of them.
+  The tile's rows come in one or two parts (`Product.tail_rows`), each with its
+  own accumulator; every contraction step loads B's tile once for both.
   """
   a_ref, b_ref, *x_ref = in_refs
   out_ref, *row_sum_ref = out_refs[:1 + p.row_sums]
   t = p.tile
-  parts = p.row_parts(pid_m, last)  # [(rows, row_mask)]
+  parts = p.row_parts(pid_m)        # [(rows, row_mask)]
   cols, col_mask = _span(pid_n, t.block_n, p.n)
   steps, tail_k = p.k_steps
   b_k_axis = 1 if p.transpose_b else 0
