@@ -125,7 +125,7 @@ def test_splits_summed_in_kernel_are_deterministic_and_match(tokens, mode):
     assert helpers.relative_error(b, a) < 1e-6, name
 
 
-@pytest.mark.parametrize("tokens", [64, 131, 150, 256])
+@pytest.mark.parametrize("tokens", [64, 131, 150, 211, 256])
 def test_tf32_on_f16_computes_tf32_products(tokens):
   """`Config.tf32_on_f16` (every product on f16 tensor cores, operands scaled by powers of
   two) must give the products of TF32-rounded operands: within 1e-4 of a float64 oracle
