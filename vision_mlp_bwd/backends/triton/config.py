@@ -35,11 +35,6 @@ class TileConfig:
   # Ragged K: where 0 < K % block_k <= tail_k (and split_k = 1), the last
   # contraction step takes tail_k rows instead of a mostly masked block_k.
   tail_k: int = 0
-  # B tiles loaded this many contraction steps ahead by the loop itself, into
-  # registers, rather than by Triton's pipeliner (which stages loads that feed
-  # a dot directly; a B tile converted first, e.g. an fp32 weight multiplied in
-  # f16, may not be). Costs registers: block_k * block_n / threads per step.
-  prefetch_b: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
@@ -51,8 +46,6 @@ class TileConfig:
       if value and (value < 16 or value & (value - 1) or value >= block):
         raise ValueError(f"TileConfig.{name}={value}: a power of 2 >= 16 below "
                          f"{name.replace('tail', 'block')}={block}, or 0.")
-    if self.prefetch_b < 0:
-      raise ValueError(f"TileConfig.prefetch_b={self.prefetch_b} must be >= 0.")
     for name in ("split_k", "tiles_per_program"):
       if getattr(self, name) < 1:
         raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")

@@ -442,20 +442,15 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     if p.f16_outputs:
       a_k_max_ref, *x_ref = x_ref
 
-  def load_a(ks, k_mask):
-    """The A tiles (one per part of the rows) of contraction slice `ks`."""
-    if p.transpose_a:
-      return [_load(a_ref, ks, k_mask, rows, mask) for rows, mask in parts]   # [bk, rows]
-    return [_load(a_ref, rows, mask, ks, k_mask) for rows, mask in parts]     # [rows, bk]
-
-  def load_b(ks, k_mask):
-    """The B tile of contraction slice `ks`."""
-    if p.transpose_b:
-      return _load(b_ref, cols, col_mask, ks, k_mask)                         # [bn, bk]
-    return _load(b_ref, ks, k_mask, cols, col_mask)                           # [bk, bn]
-
   def load(ks, k_mask):
-    return load_a(ks, k_mask), load_b(ks, k_mask)
+    """The A tiles (one per part of the rows) and the B tile of contraction slice `ks`."""
+    if p.transpose_a:
+      a = [_load(a_ref, ks, k_mask, rows, mask) for rows, mask in parts]   # [bk, rows]
+    else:
+      a = [_load(a_ref, rows, mask, ks, k_mask) for rows, mask in parts]   # [rows, bk]
+    if p.transpose_b:
+      return a, _load(b_ref, cols, col_mask, ks, k_mask)                   # [bn, bk]
+    return a, _load(b_ref, ks, k_mask, cols, col_mask)                     # [bk, bn]
 
   def multiply(tiles, accs, sums, scale_b):
     """The accumulators (and row sums) plus one contraction step's products."""
@@ -481,26 +476,18 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
     b_shape = (t.block_n, t.block_k) if p.transpose_b else (t.block_k, t.block_n)
 
-    def k_span(s):   # contraction slice of step s of this split (masked past K)
-      return _span(pid_k * steps + s, t.block_k, p.k)
-
     def step(s, carry):
-      accs, sums, b_max, b_ahead = carry
-      if b_ahead:   # TileConfig.prefetch_b: B came steps ago; load step s + prefetch_b's
-        tiles = load_a(*k_span(s)), b_ahead[0]
-        b_ahead = (*b_ahead[1:], load_b(*k_span(s + t.prefetch_b)))
-      else:
-        tiles = load(*k_span(s))
+      accs, sums, b_max = carry
+      tiles = load(*_span(pid_k * steps + s, t.block_k, p.k))
       accs, sums = multiply(tiles, accs, sums, scale_b)
       if p.speculate_b:   # elementwise here, reduced over K once after the loop
         b_max = jnp.maximum(b_max, finite_abs(tiles[1]))
-      return accs, sums, b_max, b_ahead
+      return accs, sums, b_max
 
     init = ([zeros((rows.shape[0], t.block_n)) for rows, _ in parts],
             [zeros((rows.shape[0],)) for rows, _ in parts],
-            zeros(b_shape if p.speculate_b else (1,)),
-            tuple(load_b(*k_span(s)) for s in range(t.prefetch_b)))
-    accs, sums, b_max, _ = lax.fori_loop(0, steps, step, init)
+            zeros(b_shape if p.speculate_b else (1,)))
+    accs, sums, b_max = lax.fori_loop(0, steps, step, init)
     if p.speculate_b:
       b_max = jnp.max(b_max, axis=b_k_axis)
     if tail_k:
