@@ -12,6 +12,11 @@ memory, beside XLA's TF32 dot of the
 same operands and XLA's transpose of a weight. Run on the GPU:
 
     python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent chained transposing]
+    python -m benchmarks.mosaic_probe --seq-lens 128 256 --kernels converting
+
+`converting` times instead the F16 pre-activation product (f16 activations,
+fp32 weights as stored) with the weight tiles converted in shared memory,
+through one or two f16 buffers, beside the Triton kernel's loop.
 """
 
 from __future__ import annotations
@@ -202,6 +207,87 @@ def transposing_matmul(a, b, *, tile_m, tile_n, stages):
       scratch_types=[plgpu.SMEM((tile_n, tile_k), jnp.float32, transforms=_k_major_tiles())])
 
 
+def _f16_tiles():
+  """Shared-memory layout of an f16 `[rows, 64]` tile (one 128-byte swizzled row)."""
+  return (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def converting_matmul(a, b, *, tile_m, tile_n, stages, double_buffer):
+  """`a @ b` for an f16 `a [M, K]` and an fp32 `b [K, N]` as the weights are stored, on f16 wgmma.
+
+  F16_F16_F32's pre-activation product without an f16 copy of the weight: each
+  `[64, tile_n]` tile of `b` goes TMA -> shared memory -> registers, is rounded
+  to f16 and stored into an f16 buffer that wgmma reads. With one buffer each
+  step waits for its wgmma, as Triton's loop does (benchmarks/NOTES.md, 22);
+  `double_buffer` converts the next tile while this one's wgmma runs.
+  """
+  (m, k), (_, n) = a.shape, b.shape
+  tile_k = 64
+  buffers = 2 if double_buffer else 1
+
+  def accumulate(acc_ref, a_gmem, b_gmem, rows, cols, b16):
+    def step(indices, a_smem, b_smem):
+      slot = indices[0] % buffers
+      tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
+      b16.at[slot][...] = tile.astype(jnp.float16)
+      plgpu.commit_smem()
+      plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
+      plgpu.wgmma_wait(buffers - 1)
+
+    plgpu.emit_pipeline(
+        step, grid=(k // tile_k,), max_concurrent_steps=stages,
+        in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda s: (0, s), transforms=_f16_tiles(),
+                                  delay_release=1),
+                  plgpu.BlockSpec((tile_k, tile_n), lambda s: (s, 0),
+                                  transforms=_k_major_tiles())],
+    )(a_gmem.at[rows], b_gmem.at[:, cols])
+    plgpu.wgmma_wait(0)
+
+  return _one_tile_per_block(
+      a, b, (m, n), tile_m=tile_m, tile_n=tile_n, accumulate=accumulate,
+      scratch_types=[plgpu.SMEM((buffers, tile_k, tile_n), jnp.float16,
+                                transforms=_f16_tiles())])
+
+
+def converting_probe(seq_lens, h, i):
+  """The pre-activation product in F16 (f16 `grad_output`, fp32 `fc2_weight [H, I]`):
+  `converting_matmul` with one or two f16 buffers beside the Triton kernel's loop."""
+  from vision_mlp_bwd.backends.triton.config import TileConfig
+  from vision_mlp_bwd.backends.triton.kernels import tiled_matmul
+  from vision_mlp_bwd.precision import DotMode
+  rows = []
+  for s in seq_lens:
+    a = jax.random.normal(jax.random.key(1), (s, h)).astype(jnp.float16)
+    b = jax.random.normal(jax.random.key(2), (h, i)) / 30
+    exact = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float16).astype(jnp.float32),
+                    precision=lax.Precision.HIGHEST)
+    runs = [(f"triton 128x64x64 w{w}", functools.partial(
+        tiled_matmul, tile=TileConfig(128, 64, 64, num_warps=w), mode=DotMode.F16,
+        out_dtype=jnp.float32)) for w in (4, 8)]
+    for tile_m, tile_n, stages, double in itertools.product((64, 128), (64, 128), (2, 4),
+                                                           (False, True)):
+      smem = (stages * 64 * (2 * tile_m + 4 * tile_n) + (1 + double) * 64 * tile_n * 2
+              + 4 * tile_m * tile_n)
+      if s % tile_m == 0 and smem <= SMEM_BYTES:
+        runs.append((f"mosaic {tile_m}x{tile_n} st{stages} {'two' if double else 'one'} buffer",
+                     functools.partial(converting_matmul, tile_m=tile_m, tile_n=tile_n,
+                                       stages=stages, double_buffer=double)))
+    for label, kernel in runs:
+      fn = jax.jit(kernel)
+      try:
+        out = fn(a, b)
+      except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
+        print(f"  S={s} {label}: {type(e).__name__}: "
+              f"{(str(e).splitlines() or [repr(e)])[0][:200]}", flush=True)
+        continue
+      error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
+      us = device_times_us(fn, a, b).median_us
+      rows.append(dict(name="pre_f16", s=s, kernel=label, us=us, error=error))
+      print(f"S={s:4d} pre-activation F16 {label:34s} {us:6.1f} us  error {error:.1e}",
+            flush=True)
+  return rows
+
+
 def products(s, h, i):
   """The backward's four products as (name, M, N, K), all operands K-major."""
   return [("pre", s, i, h), ("input_grad", s, h, i), ("fc2_weight_grad", h, i, s),
@@ -244,11 +330,17 @@ def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[128, 256])
   parser.add_argument("--kernels", nargs="+", default=["plain", "persistent"],
-                      choices=["plain", "persistent", "chained", "transposing"])
+                      choices=["plain", "persistent", "chained", "transposing", "converting"])
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584
   rows = []
+  if args.kernels == ["converting"]:
+    rows = converting_probe(args.seq_lens, h, i)
+    with open(os.path.join(args.out, "mosaic_probe_converting.json"), "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
+                indent=1)
+    return
   w = jax.random.normal(jax.random.key(0), (h, i))
   t = device_times_us(jax.jit(lambda x: x.T), w)
   print(f"XLA transpose of a [{h}, {i}] weight: {t.median_us:.1f} us", flush=True)
