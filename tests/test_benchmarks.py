@@ -1,5 +1,6 @@
 """CPU tests of the benchmark: floors, the correctness rule, timing loop, writers, CPU demo."""
 
+import functools
 import json
 import os
 
@@ -308,3 +309,15 @@ def test_mosaic_probe_kernels_lower_for_cuda(kernel):
     for _, fn in settings[:3]:
       text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
       assert "mosaic_gpu" in text and f"tensor<{m}x{n}xf32>" in text
+
+
+@pytest.mark.parametrize("double_buffer", [False, True])
+def test_mosaic_converting_probe_lowers_for_cuda(double_buffer):
+  """The probe's F16 pre-activation kernel (fp32 weight tiles converted in shared memory) lowers."""
+  from benchmarks.mosaic_probe import converting_matmul
+  specs = [jax.ShapeDtypeStruct((256, 1280), jnp.float16),
+           jax.ShapeDtypeStruct((1280, 3584), jnp.float32)]
+  fn = functools.partial(converting_matmul, tile_m=128, tile_n=64, stages=4,
+                         double_buffer=double_buffer)
+  text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  assert "mosaic_gpu" in text and "tensor<256x3584xf32>" in text
