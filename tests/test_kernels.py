@@ -104,12 +104,17 @@ def test_results_are_bitwise_deterministic():
 def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k,
                                                                   tiles_per_program, in_kernel):
   m, n, k = 37, 32 * tiles_per_program + 5, 70  # tiles_per_program + 1 n blocks: a ragged group
+  tile = TileConfig(16, 32, 16, split_k=split_k, tiles_per_program=tiles_per_program)
+  _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel)
+
+
+def _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel):
+  """`tiled_matmul` (with row sums) into a NaN-filled output equals the float64 product."""
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
   b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
   # Split partials summed in the kernel leave the product as the first output.
-  poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
-  tile = TileConfig(16, 32, 16, split_k=split_k, tiles_per_program=tiles_per_program)
+  poisoned = jnp.full(((1 if in_kernel else tile.split_k) * m, n), jnp.nan, jnp.float32)
   product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
                                        transpose_a=transpose_a, row_sums=True, out=poisoned,
                                        sum_splits_in_kernel=in_kernel, interpret=True)
@@ -126,16 +131,7 @@ def test_tail_rows_and_a_narrow_last_step_write_every_element(transpose_a, split
   product = kernels.Product(m, n, k, tile, jnp.dtype(jnp.float32))
   assert product.grid[0] == 1 and product.tail_rows == 16
   assert product.k_steps == ((1, 16) if split_k == 1 else (1, 0))
-  key = helpers.fresh_key()
-  a = jax.random.normal(key, (k, m) if transpose_a else (m, k))
-  b = jax.random.normal(jax.random.fold_in(key, 1), (k, n))
-  poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
-  product, sums = kernels.tiled_matmul(a, b, tile=tile, mode=DotMode.F32, out_dtype=jnp.float32,
-                                       transpose_a=transpose_a, row_sums=True, out=poisoned,
-                                       sum_splits_in_kernel=in_kernel, interpret=True)
-  op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
-  np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+  _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel)
 
 
 def test_tails_only_just_past_one_block_or_step():
