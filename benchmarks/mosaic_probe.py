@@ -207,6 +207,17 @@ def transposing_matmul(a, b, *, tile_m, tile_n, stages):
       scratch_types=[plgpu.SMEM((tile_n, tile_k), jnp.float32, transforms=_k_major_tiles())])
 
 
+def _run_and_error(fn, operands, exact, context):
+  """`fn(*operands)` and its relative error against `exact`, or None (reported) where it fails."""
+  try:
+    out = fn(*operands)
+  except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
+    print(f"  {context}: {type(e).__name__}: {(str(e).splitlines() or [repr(e)])[0][:200]}",
+          flush=True)
+    return None
+  return float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
+
+
 def _f16_tiles():
   """Shared-memory layout of an f16 `[rows, 64]` tile (one 128-byte swizzled row)."""
   return (plgpu.TilingTransform((8, SWIZZLE // 2)), plgpu.SwizzleTransform(SWIZZLE))
@@ -274,13 +285,9 @@ def converting_probe(seq_lens, h, i):
                                        stages=stages, double_buffer=double)))
     for label, kernel in runs:
       fn = jax.jit(kernel)
-      try:
-        out = fn(a, b)
-      except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
-        print(f"  S={s} {label}: {type(e).__name__}: "
-              f"{(str(e).splitlines() or [repr(e)])[0][:200]}", flush=True)
+      error = _run_and_error(fn, (a, b), exact, f"S={s} {label}")
+      if error is None:
         continue
-      error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
       us = device_times_us(fn, a, b).median_us
       rows.append(dict(name="pre_f16", s=s, kernel=label, us=us, error=error))
       print(f"S={s:4d} pre-activation F16 {label:34s} {us:6.1f} us  error {error:.1e}",
@@ -360,13 +367,9 @@ def main():
         operands = (a, b.T) if kernel_name == "transposing" else (a, b)
         for label, kernel in candidates(kernel_name, m, n, k):
           fn = jax.jit(kernel)
-          try:
-            out = fn(*operands)
-          except Exception as e:  # noqa: BLE001 - shared memory limits, lowering gaps
-            print(f"  {name} S={s} {kernel_name} {label}: {type(e).__name__}: "
-                  f"{(str(e).splitlines() or [repr(e)])[0][:160]}", flush=True)
+          error = _run_and_error(fn, operands, exact, f"{name} S={s} {kernel_name} {label}")
+          if error is None:
             continue
-          error = float(jnp.linalg.norm(out - exact) / jnp.linalg.norm(exact))
           us = device_times_us(fn, *operands).median_us
           rows.append(dict(name=name, s=s, kernel=kernel_name, config=label, us=us,
                            error=error))
