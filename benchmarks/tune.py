@@ -80,7 +80,8 @@ def neighbours(role, tile, s, weights_on_left=False):
   product is computed transposed, `Config.weights_on_left`) stays <= S.
   """
   out = []
-  s_axis = None if role == "weight_grads" else "block_n" if weights_on_left else "block_m"
+  s_axis = (None if role in ("weight_grads", "fc1_weight_grad") else
+            "block_n" if weights_on_left else "block_m")
   for axis, values in _AXES.items():
     if axis == "split_k" and role == "pre_activation":
       continue
@@ -142,15 +143,22 @@ def variant_config(config, name, problem=None):
   for item in items:
     path, _, value = item.partition("=")
     role, _, field = path.rpartition(".")
-    if not value or not hasattr(config if not role else getattr(config, role, None), field):
+    if not value or not hasattr(config if not role else _role_tile(config, role), field):
       raise SystemExit(f"--variants: {item!r} is neither a name of {sorted(VARIANTS)} "
                        "nor FIELD=VALUE / ROLE.FIELD=VALUE of Config and TileConfig")
     if role:
-      changes[role] = dataclasses.replace(changes.get(role, getattr(config, role)),
+      changes[role] = dataclasses.replace(changes.get(role, _role_tile(config, role)),
                                           **{field: int(value)})
     else:
       changes[field] = bool(int(value))
   return dataclasses.replace(config, **changes)
+
+
+def _role_tile(config, role):
+  """The TileConfig serving `role`, or None if `config` has no such role."""
+  if role == "fc1_weight_grad":
+    return config.fc1_weight_grad_tile
+  return getattr(config, role, None)
 
 
 def compare_variants(seq_lens, modes, names, h, i, iterations):
@@ -187,10 +195,13 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
 
 
 # The grouped launches take warps and pipeline depth from their first product
-# (pre_activation, input_grad), so the weight-gradient tile searches neither.
+# (pre_activation, input_grad), so the weight-gradient tiles search neither.
+# Until a Config sets fc1_weight_grad, weight_grads' steps move both weight
+# gradients and fc1_weight_grad's move launch 2's alone.
 _LAUNCH_AXES = {
     "pre_activation": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
     "weight_grads": ("block_m", "block_n", "block_k"),
+    "fc1_weight_grad": ("block_m", "block_n", "block_k"),
     "input_grad": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
 }
 
@@ -199,8 +210,8 @@ def config_neighbours(config, s, sixteen_bit):
   """Configs one step from `config` along one axis of one role, or one layout flag flipped."""
   out = []
   for role, axes in _LAUNCH_AXES.items():
-    for tile in neighbours(role, getattr(config, role), s, config.weights_on_left):
-      changed = [a for a in axes if getattr(tile, a) != getattr(getattr(config, role), a)]
+    for tile in neighbours(role, _role_tile(config, role), s, config.weights_on_left):
+      changed = [a for a in axes if getattr(tile, a) != getattr(_role_tile(config, role), a)]
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.

@@ -1,5 +1,6 @@
 """CPU tests of the benchmark: floors, the correctness rule, timing loop, writers, CPU demo."""
 
+import dataclasses
 import functools
 import json
 import os
@@ -240,6 +241,9 @@ def test_variant_config_takes_names_and_field_overrides():
   varied = variant_config(config, "weight_grads.tiles_per_program=2,cast_inputs=1")
   assert varied.weight_grads.tiles_per_program == 2 and varied.cast_inputs
   assert varied.pre_activation == config.pre_activation
+  launch_2_only = variant_config(config, "fc1_weight_grad.block_k=64")
+  assert launch_2_only.weight_grads == config.weight_grads
+  assert launch_2_only.fc1_weight_grad == dataclasses.replace(config.weight_grads, block_k=64)
   for bad in ("bogus", "weight_grads.bogus=2", "pre_activation.block_m"):
     with pytest.raises(SystemExit, match="neither a name"):
       variant_config(config, bad)
@@ -247,10 +251,9 @@ def test_variant_config_takes_names_and_field_overrides():
 
 @pytest.mark.parametrize("mode", ["f16", "tf32"])
 def test_config_neighbours_change_one_searched_axis(mode):
-  import dataclasses
-
-  from benchmarks.tune import _LAUNCH_AXES, config_neighbours
+  from benchmarks.tune import _LAUNCH_AXES, _role_tile, config_neighbours
   config = _table_config(256, mode)
+  assert config.fc1_weight_grad is None   # then weight_grads' steps move both weight gradients
   neighbours = config_neighbours(config, 256, sixteen_bit=mode == "f16")
   assert len(set(neighbours)) == len(neighbours) > 10
   flags = ({"cast_inputs", "cast_weights", "fused_casts"} if mode == "f16"
@@ -263,12 +266,14 @@ def test_config_neighbours_change_one_searched_axis(mode):
       tile, turned = getattr(config, role), getattr(left, role)
       assert (turned.block_m, turned.block_n) == (tile.block_n, tile.block_m)
   for other in neighbours:
-    changed = [(role, axis) for role in _LAUNCH_AXES
+    changed = [(role, axis) for role in _LAUNCH_AXES if getattr(other, role) is not None
                for axis, value in dataclasses.asdict(getattr(other, role)).items()
-               if getattr(getattr(config, role), axis) != value]
+               if getattr(_role_tile(config, role), axis) != value]
     flipped = [f for f in flags if getattr(other, f) != getattr(config, f)]
     assert len(changed) + len(flipped) == 1, other
     assert all(axis in _LAUNCH_AXES[role] for role, axis in changed), changed
+  assert any(other.fc1_weight_grad is not None and other.weight_grads == config.weight_grads
+             for other in neighbours)   # launch 2's weight gradient alone
   if mode == "f16":  # the fused-cast flag is searched only where inputs are cast at all
     assert any(other.fused_casts != config.fused_casts for other in neighbours)
     uncast = dataclasses.replace(config, cast_inputs=False, fused_casts=False)

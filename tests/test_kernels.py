@@ -226,7 +226,8 @@ def test_gelu_epilogue_matches_autodiff_of_gelu():
     dict(cast_inputs=True, fused_casts=True, xla_weight_products=True),
     dict(sum_splits_in_kernel=True), dict(sum_splits_in_kernel=True, group_launches=False),
     dict(sum_splits_in_kernel=True, weights_on_left=True),
-    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True)], ids=str)
+    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True),
+    dict(fc1_weight_grad=TileConfig(32, 16, 32))], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem

@@ -106,20 +106,21 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **options),
             (x, weight, *extra))
 
-  def weight_grad(g, z):
+  def weight_grad(g, z, tile):
     """`g.T @ z` over the S rows, with the column sums of `g` (a bias gradient)."""
     (k, m), n = g.shape, z.shape[1]
     if config.k_major_weight_grads:
-      return (Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, transpose_b=True,
+      return (Product(m, n, k, tile, out_dtype, transpose_a=True, transpose_b=True,
                       row_sums=True, lhs_in_registers=True), (g, z.T))
-    return Product(m, n, k, config.weight_grads, out_dtype, transpose_a=True, row_sums=True), (g, z)
+    return Product(m, n, k, tile, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
     (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
-        [weight_grad(acts["grad_output"], acts["gelu_output"]),
-         weight_grad(grad_pre, acts["hidden_state"])], "mlp_backward_weight_grads")
+        [weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
+         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile)],
+        "mlp_backward_weight_grads")
     grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
@@ -130,7 +131,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                 if input_grad_product.counts_arrivals else [])
     grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
         by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
-        weight_grad(acts["grad_output"], acts["gelu_output"]),
+        weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
         *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
         *counters,
     ], "mlp_backward_1")
@@ -138,7 +139,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
                   counters=rest[-1] if counters else None),
-        weight_grad(grad_pre, acts["hidden_state"]),
+        weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
     ], "mlp_backward_2")
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
@@ -193,7 +194,7 @@ def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
   grad_pre, pre_row_max, pre_col_sums, pre16, pre16_bound = pre
   grad_hidden_state, grad_fc1_weight, (_, grad_fc1_bias) = launch([
       (input_grad, (grad_pre, fc1_weight, pre_row_max, *zeros)),
-      (Product(i, h, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
+      (Product(i, h, s, config.fc1_weight_grad_tile, f32, transpose_a=True, scaled_f16=True),
        (pre16, x16, pre16_bound, x_max)),
       (Scales(pre_col_sums.shape, axis=0, sums=True, block=128, step=pl.next_power_of_2(pre_col_sums.shape[0])),
        (pre_col_sums,)),   # the bias gradient: the sum of the partial sums

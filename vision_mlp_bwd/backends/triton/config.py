@@ -62,6 +62,9 @@ class Config:
   weight_grads: TileConfig
   # grad_hidden_state = grad_fc1_output @ fc1_weight: M=S, N=H, K=I.
   input_grad: TileConfig
+  # grad_fc1_weight's tile (launch 2) where it differs from grad_fc2_weight's
+  # (launch 1); None: weight_grads serves both.
+  fc1_weight_grad: TileConfig | None = None
   # Two launches of two products each (True) or four launches.
   group_launches: bool = True
   # 16-bit modes: cast the fp32 activations (grad_output, hidden_state,
@@ -108,6 +111,10 @@ class Config:
   # also cast by rows for the pre-activation product, which otherwise
   # converts it itself.
   tf32_on_f16: bool = False
+
+  @property
+  def fc1_weight_grad_tile(self) -> TileConfig:
+    return self.fc1_weight_grad or self.weight_grads
 
   def __post_init__(self):
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
