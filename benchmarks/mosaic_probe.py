@@ -295,7 +295,8 @@ def converting_probe(seq_lens, h, i):
   return rows
 
 
-def f16_launch_1(g16, w2, gelu_grad, gelu16, *, stages=3, wg_stages=3, wg_tile_n=128):
+def f16_launch_1(g16, w2, gelu_grad, gelu16, *, stages=3, wg_stages=3, wg_tile_n=128,
+                 wg_tile_k=64):
   """F16 launch 1 on Mosaic GPU: both of its products in one grid, as Triton's launch 1 runs them.
 
   Programs `[0, n_pre)` each compute one `[128, 64]` tile of the pre-GELU
@@ -311,7 +312,7 @@ def f16_launch_1(g16, w2, gelu_grad, gelu16, *, stages=3, wg_stages=3, wg_tile_n
   """
   (s, h), i = g16.shape, w2.shape[1]
   pm, pn, tk = 128, 64, 64
-  wm, wn, wk = 128, wg_tile_n, 64
+  wm, wn, wk = 128, wg_tile_n, wg_tile_k
   gm, gn = pl.cdiv(s, pm), i // pn
   wgm = h // wm
   n_pre, n_wg = gm * gn, wgm * (i // wn)
@@ -403,10 +404,11 @@ def launch_1_probe(seq_lens, h, i):
     exact_pre = jnp.dot(f32(g16), f32(w2.astype(jnp.float16)),
                         precision=lax.Precision.HIGHEST)[:s] * gelu_tanh_grad(x)
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
-    for stages, wg_stages, wg_n in itertools.product((2, 3, 4), (2, 3), (64, 128)):
-      label = f"mosaic pre st{stages}, weight grad 128x{wg_n} st{wg_stages}"
+    for stages, wg_stages, wg_k in ((4, 3, 64), (5, 3, 64), (4, 4, 64), (5, 4, 64), (4, 2, 128),
+                                    (5, 2, 128), (4, 4, 32), (4, 6, 32)):
+      label = f"mosaic pre st{stages}, weight grad 128x128x{wg_k} st{wg_stages}"
       fn = jax.jit(functools.partial(f16_launch_1, stages=stages, wg_stages=wg_stages,
-                                     wg_tile_n=wg_n))
+                                     wg_tile_k=wg_k))
       try:
         pre, wg = fn(g16, w2, gelu_grad, gelu16)
         errors = [float(jnp.linalg.norm(f32(out) - exact) / jnp.linalg.norm(exact))
