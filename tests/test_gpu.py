@@ -144,3 +144,38 @@ def test_tf32_on_f16_computes_tf32_products(tokens):
       *inputs, operand=helpers.tf32_operand), 1e-4, f"S={tokens}")
   for a, b in zip(outs, jax.device_get(run(*inputs))):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 131, 211, 256, 300])
+@pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=str)
+def test_mosaic_launch_1_as_accurate_as_triton_launch_1(tokens, mode):
+  """Launch 1 as a Mosaic GPU grid (Config.mosaic_launch_1) against float64 and Triton's launch 1.
+
+  It runs first on fresh inputs, so no earlier result can sit in its output
+  buffers: every element matching the oracle elementwise shows it was written.
+  It must also be bitwise deterministic."""
+  import dataclasses
+
+  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.backends import triton as triton_backend
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
+  assert mosaic_gpu.unsupported_reason(problem, interpret=False) is None
+  base = dataclasses.replace(default_config(problem), cast_inputs=True, fused_casts=True,
+                             cast_weights=False)
+  runs = {flag: jax.jit(lambda *a, c=dataclasses.replace(base, mosaic_launch_1=flag):
+                        triton_backend.backward(*a, problem=problem, config=c))
+          for flag in (True, False)}
+  mosaic = jax.device_get(runs[True](*inputs))
+  oracle = helpers.backward_float64(*inputs)
+  tolerance = 2e-3 if mode == DotMode.F16 else 1e-2
+  helpers.assert_close_to_oracle(mosaic, oracle, tolerance, f"mosaic S={tokens}")
+  for name, out, ref in zip(helpers.OUT_NAMES, mosaic, oracle):
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(out, ref, rtol=0, atol=8 * tolerance * scale, err_msg=name)
+  triton = jax.device_get(runs[False](*inputs))
+  for name, a, b, ref in zip(helpers.OUT_NAMES, mosaic, triton, oracle):
+    mosaic_error, triton_error = helpers.relative_error(a, ref), helpers.relative_error(b, ref)
+    assert mosaic_error <= 1.1 * triton_error + 1e-6, (name, mosaic_error, triton_error)
+  for a, b in zip(mosaic, jax.device_get(runs[True](*inputs))):
+    np.testing.assert_array_equal(a, b)

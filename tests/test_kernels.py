@@ -267,3 +267,39 @@ def test_tail_tiles_compute_the_same_gradients(variant):
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
   helpers.assert_close_to_oracle(ours, helpers.backward_float64(*inputs), tolerance)
+
+
+def test_cast_pads_rows_with_zeros():
+  x = jax.random.normal(helpers.fresh_key(), (13, 24)) * 100
+  [out] = kernels.grouped_launch([kernels.Cast(x.shape, jnp.float16, block=64, rows=16)],
+                                 [(x,)], mode=DotMode.F16, interpret=True)
+  assert out.shape == (16, 24) and out.dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(out[:13]), np.asarray(x.astype(jnp.float16)))
+  np.testing.assert_array_equal(np.asarray(out[13:]), 0)
+
+
+def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():
+  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.problem import Problem
+  tile = TileConfig(16, 32, 16)
+  for bad in (dict(), dict(cast_inputs=True), dict(cast_inputs=True, fused_casts=True,
+                                                    cast_weights=True)):
+    with pytest.raises(ValueError, match="mosaic_launch_1 replaces the grouped launch 1"):
+      Config(tile, tile, tile, mosaic_launch_1=True, **bad)
+  problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
+  assert "interpret mode" in mosaic_gpu.unsupported_reason(problem, interpret=True)
+  assert "Hopper" in mosaic_gpu.unsupported_reason(problem, interpret=False)   # the CPU
+  odd = Problem(211, 1280, 3000, jnp.dtype(jnp.float32), DotMode.F16)
+  assert "I=3000 is not a multiple of 128" in mosaic_gpu.unsupported_reason(odd, interpret=False)
+  assert mosaic_gpu.padded_rows(211) == 216 and mosaic_gpu.padded_rows(8) == 8
+  # Interpret mode then runs Triton's launch 1: the same gradients as without the flag.
+  from vision_mlp_bwd.backends import triton as triton_backend
+  inputs = helpers.backward_inputs(29, 40, 56)
+  small = Problem(29, 40, 56, jnp.dtype(jnp.float32), DotMode.F16)
+  config = dataclasses.replace(triton_backend.interpret_config(small), cast_inputs=True,
+                               fused_casts=True)
+  plain, flagged = (triton_backend.backward(*inputs, problem=small, interpret=True,
+                                            config=dataclasses.replace(config, mosaic_launch_1=f))
+                    for f in (False, True))
+  for a, b in zip(plain, flagged):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from vision_mlp_bwd.backends import mosaic_gpu
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
 from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Scales, Zeros, grouped_launch
@@ -70,17 +71,17 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                             gelu_output, config, launch)
   acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
+  # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run.
+  mosaic = (config.mosaic_launch_1 and operand_dtype is not None and out_dtype == jnp.float32
+            and mosaic_gpu.unsupported_reason(problem, interpret) is None)
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
   if operand_dtype is not None and config.cast_inputs:
     if not config.fused_casts:
       acts = {name: x.astype(operand_dtype) for name, x in acts.items()}
-    elif config.xla_weight_products:   # no launch 1: one kernel launch needs all three
+    elif config.xla_weight_products or mosaic:   # no Triton launch 1 to cast hidden_state
       early = list(acts)
     else:
       early, late = ["grad_output", "gelu_output"], ["hidden_state"]
-  if early:
-    acts.update(zip(early, run([Cast(acts[n].shape, operand_dtype) for n in early],
-                               [(acts[n],) for n in early], name="mlp_backward_casts")))
   if operand_dtype is not None and config.cast_weights:
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
   if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
@@ -114,6 +115,20 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                       row_sums=True, lhs_in_registers=True), (g, z.T))
     return Product(m, n, k, tile, out_dtype, transpose_a=True, row_sums=True), (g, z)
 
+  # Launch 2's split input gradient may count arrivals in counters zeroed before.
+  input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
+  counters = ([(Zeros(input_grad_product.tiles), ())]
+              if input_grad_product.counts_arrivals and not config.xla_weight_products else [])
+  if early:
+    padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
+    jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
+             (acts[n],)) for n in early]
+    if mosaic:   # the rest of Triton's launch 1: the fc2 bias gradient, the counters
+      jobs += [(Scales(grad_output.shape, axis=0, sums=True), (grad_output,)), *counters]
+    outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
+    acts.update(zip(early, outs))
+    if mosaic:
+      (_, column_sums), *rest = outs[len(early):]
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
@@ -125,17 +140,19 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   else:
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
     # (and the zeroed arrival counters of its split input gradient, if any).
-    input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape,  # grad_pre's
-                                      fc1_weight)
-    counters = ([(Zeros(input_grad_product.tiles), ())]
-                if input_grad_product.counts_arrivals else [])
-    grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
-        by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight, fc1_output),
-        weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
-        *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
-        *counters,
-    ], "mlp_backward_1")
-    acts.update(zip(late, rest))
+    if mosaic:
+      grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
+                                                      acts["gelu_output"])
+      grad_fc2_bias = column_sums[0]
+    else:
+      grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
+          by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
+                    fc1_output),
+          weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
+          *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
+          *counters,
+      ], "mlp_backward_1")
+      acts.update(zip(late, rest))
     grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
                   counters=rest[-1] if counters else None),

@@ -111,6 +111,14 @@ class Config:
   # also cast by rows for the pre-activation product, which otherwise
   # converts it itself.
   tf32_on_f16: bool = False
+  # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
+  # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
+  # tiles double-buffered, TMA-fed) instead of Triton's; the casts launch then
+  # also casts hidden_state and sums grad_output's columns (the fc2 bias
+  # gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
+  # 128) launch 1 stays Triton's. Measured on the H200 at S=211: launch 1
+  # 21.8 against 24.4 us (benchmarks/NOTES.md, 23).
+  mosaic_launch_1: bool = False
 
   @property
   def fc1_weight_grad_tile(self) -> TileConfig:
@@ -120,6 +128,12 @@ class Config:
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")
+    if self.mosaic_launch_1 and not (
+        self.cast_inputs and self.fused_casts and self.group_launches and not (
+            self.cast_weights or self.k_major_weights or self.weights_on_left
+            or self.xla_weight_products)):
+      raise ValueError("Config.mosaic_launch_1 replaces the grouped launch 1 of the fused casts "
+                       "(cast_inputs, fused_casts, group_launches) with the weights as stored.")
 
 
 T = TileConfig
@@ -239,7 +253,7 @@ def on_f16_config(problem: Problem) -> Config:
   # 256-row tiles with 4 stages then exceed shared memory (S=131).
   input_grad = dataclasses.replace(row.input_grad, block_m=min(row.input_grad.block_m, 128))
   return dataclasses.replace(row, input_grad=input_grad, tf32_on_f16=True, cast_weights=False,
-                             fused_casts=False)
+                             fused_casts=False, mosaic_launch_1=False)
 
 
 def interpret_config(problem: Problem) -> Config:

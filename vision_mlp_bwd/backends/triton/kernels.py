@@ -190,30 +190,34 @@ class Product:
     split, arrivals = self.tile.split_k, self.counts_arrivals
     rows, cols = self.stored_shape
     if split == 1 or arrivals:
-      shapes = [_out_struct((rows, cols), self.out_dtype, like)]
+      shapes = [out_struct((rows, cols), self.out_dtype, like)]
     else:
-      shapes = [_out_struct((split * rows, cols), jnp.float32, like)]
+      shapes = [out_struct((split * rows, cols), jnp.float32, like)]
     if self.row_sums:
-      shapes.append(_out_struct((split * self.m,), jnp.float32, like))
+      shapes.append(out_struct((split * self.m,), jnp.float32, like))
     if self.f16_outputs:
       gm, gn, _ = self.grid
-      shapes += [_out_struct((gn * self.tile.tiles_per_program, self.m), jnp.float32, like),
-                 _out_struct((gm, self.n), jnp.float32, like),
-                 _out_struct((self.m, self.n), jnp.float16, like),
-                 _out_struct((1, self.n), jnp.float32, like)]
+      shapes += [out_struct((gn * self.tile.tiles_per_program, self.m), jnp.float32, like),
+                 out_struct((gm, self.n), jnp.float32, like),
+                 out_struct((self.m, self.n), jnp.float16, like),
+                 out_struct((1, self.n), jnp.float32, like)]
     if arrivals:
-      shapes += [_out_struct((split * rows, cols), jnp.float32, like),
-                 _out_struct((self.tiles,), jnp.int32, like)]
+      shapes += [out_struct((split * rows, cols), jnp.float32, like),
+                 out_struct((self.tiles,), jnp.int32, like)]
     return shapes
 
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
-  """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program."""
+  """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program.
+
+  With `rows` (>= shape[0]), the result has that many rows, zeros past the
+  input's (the padded operands of `mosaic_gpu.launch_1`)."""
 
   shape: tuple[int, ...]
   out_dtype: jnp.dtype
   block: int = 4096
+  rows: int = 0
 
   num_inputs = 1
   num_outputs = 1
@@ -224,23 +228,31 @@ class Cast:
     return int(np.prod(self.shape))
 
   @property
+  def out_shape(self) -> tuple[int, ...]:
+    return (max(self.rows, self.shape[0]), *self.shape[1:])
+
+  @property
+  def out_size(self) -> int:
+    return int(np.prod(self.out_shape))
+
+  @property
   def programs(self) -> int:
-    return pl.cdiv(self.size, self.block)
+    return pl.cdiv(self.out_size, self.block)
 
   def check(self, operands):
     assert len(operands) == 1 and operands[0].shape == (self.size,), (self, operands)
 
   def out_shapes(self, like):
-    return [_out_struct((self.size,), self.out_dtype, like)]
+    return [out_struct((self.out_size,), self.out_dtype, like)]
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
     del mode, interpret
-    indices, mask = _span(program, self.block, self.size)
-    x = plgpu.load(in_refs[0].at[indices], mask=mask, other=0.0)
+    indices, mask = _span(program, self.block, self.out_size)
+    x = plgpu.load(in_refs[0].at[indices], mask=indices < self.size, other=0.0)
     plgpu.store(out_refs[0].at[indices], x.astype(out_refs[0].dtype), mask=mask)
 
   def finish(self, outs):
-    return outs[0].reshape(self.shape)
+    return outs[0].reshape(self.out_shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +274,7 @@ class Zeros:
     assert not operands, operands
 
   def out_shapes(self, like):
-    return [_out_struct((self.size,), jnp.int32, like)]
+    return [out_struct((self.size,), jnp.int32, like)]
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
     del in_refs, mode, interpret
@@ -311,11 +323,11 @@ class Scales:
     assert not (self.cast and self.parts > 1), self
 
   def out_shapes(self, like):
-    shapes = [_out_struct((self.parts, self.lines), jnp.float32, like)]
+    shapes = [out_struct((self.parts, self.lines), jnp.float32, like)]
     if self.cast:
-      shapes.append(_out_struct(tuple(self.shape), jnp.float16, like))
+      shapes.append(out_struct(tuple(self.shape), jnp.float16, like))
     if self.sums:
-      shapes.append(_out_struct((self.parts, self.lines), jnp.float32, like))
+      shapes.append(out_struct((self.parts, self.lines), jnp.float32, like))
     return shapes
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
@@ -365,7 +377,7 @@ class Scales:
     return tuple(outs)
 
 
-def _out_struct(shape, dtype, like):
+def out_struct(shape, dtype, like):
   """An output varying over the same `shard_map` axes as `like` (Pallas checks that)."""
   mat = None if like is None else getattr(jax.typeof(like), "mat", None)
   if mat is not None:

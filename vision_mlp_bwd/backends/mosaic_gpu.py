@@ -1,0 +1,152 @@
+"""Pallas Mosaic-GPU kernels (Hopper: wgmma fed by TMA) for parts of the Triton backend's backward.
+
+Pallas-Triton converts an fp32 weight tile to a 16-bit operand through one
+shared-memory buffer, so every contraction step's MMAs wait for the next
+conversion (benchmarks/NOTES.md, 22). Here the converted tiles alternate
+between two buffers, so one wgmma group stays in flight, and TMA feeds the
+pipelines.
+
+`launch_1` is the 16-bit modes' first launch: the pre-GELU gradient
+`(grad_output @ fc2_weight) * gelu'(fc1_output)` and `grad_fc2_weight =
+grad_output.T @ gelu_output` as one grid, as the Triton launch runs them. The
+Triton backend runs it where its Config says (`Config.mosaic_launch_1`) and
+`unsupported_reason` allows; its casts launch writes the 16-bit operands with
+the padded rows this kernel reads.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from vision_mlp_bwd.backends.triton.kernels import out_struct
+from vision_mlp_bwd.problem import Problem
+from vision_mlp_bwd.reference import gelu_tanh_grad
+
+PRE_TILE = (128, 64, 64)            # pre-GELU gradient: rows, columns, contraction step
+WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
+ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
+SWIZZLE = 128      # bytes: one swizzled row of a tile
+
+
+def padded_rows(tokens: int) -> int:
+  """Rows of the 16-bit `[S, ·]` operands `launch_1` reads (S up to a multiple of 8, zeros)."""
+  return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def unsupported_reason(problem: Problem, interpret: bool) -> str | None:
+  """Why `launch_1` cannot run `problem` here, or None."""
+  for name, size, tile in (("H", problem.hidden, WEIGHT_GRAD_TILE[0]),
+                           ("I", problem.intermediate, WEIGHT_GRAD_TILE[1])):
+    if size % tile:
+      return f"{name}={size} is not a multiple of {tile}."
+  if interpret:
+    return "Mosaic GPU kernels do not run in Pallas interpret mode."
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  if capability is None or not str(capability).startswith("9"):
+    return f"wgmma needs a Hopper GPU (compute capability 9.x), not {capability}."
+  return None
+
+
+def _tiles(dtype, rows=8):
+  """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
+
+  wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
+  is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
+  return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(SWIZZLE))
+
+
+def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
+             weight_grad_stages=4):
+  """`(grad_fc1_output [S, I] 16-bit, grad_fc2_weight [H, I] fp32)` in one Mosaic GPU grid.
+
+  `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
+  are the 16-bit operands with zero rows past S; `fc2_weight [H, I]` and
+  `fc1_output [S, I]` are fp32 as the caller has them. Blocks
+  `[0, n_pre)` each compute one tile of the pre-GELU gradient: its fp32
+  weight tiles are rounded to the operand dtype into two alternating buffers
+  that wgmma reads, and the GELU derivative is applied in the epilogue. The
+  other blocks each compute one tile of `grad_fc2_weight`. Reads past the
+  last row are zeros and writes there are dropped (TMA).
+  """
+  (s, i), h = fc1_output.shape, fc2_weight.shape[0]
+  dtype = grad_output16.dtype
+  pm, pn, pk = PRE_TILE
+  wm, wn, wk = WEIGHT_GRAD_TILE
+  gm = pl.cdiv(s, pm)
+  n_pre = gm * pl.cdiv(i, pn)
+  n_weight_grad = (h // wm) * (i // wn)
+
+  def kernel(g_gmem, w_gmem, x_gmem, gelu_gmem, pre_gmem, weight_grad_gmem):
+    block = lax.axis_index("block")
+
+    @pl.when(block < n_pre)
+    def _():
+      rows, cols = pl.ds((block % gm) * pm, pm), pl.ds((block // gm) * pn, pn)
+
+      def tile(acc_ref, b16, x_smem, out_smem, x_arrived):
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
+
+        def step(indices, a_smem, b_smem):
+          slot = indices[0] % 2
+          b16.at[slot][...] = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA).astype(dtype)
+          plgpu.commit_smem()
+          plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
+          plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
+
+        plgpu.emit_pipeline(
+            step, grid=(pl.cdiv(h, pk),), max_concurrent_steps=stages,
+            in_specs=[plgpu.BlockSpec((pm, pk), lambda k: (0, k), transforms=_tiles(dtype),
+                                      delay_release=1),
+                      plgpu.BlockSpec((pk, pn), lambda k: (k, 0),
+                                      transforms=_tiles(jnp.float32))],
+        )(g_gmem.at[rows], w_gmem.at[:, cols])
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_wait(x_arrived)
+        x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
+        out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
+                    plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
+                    plgpu.SMEM((pm, pn), jnp.float32, transforms=_tiles(jnp.float32, rows=1)),
+                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows=1)),
+                    plgpu.Barrier(num_arrivals=1))
+
+    @pl.when(block >= n_pre)
+    def _():
+      job = block - n_pre
+      rows, cols = pl.ds((job % (h // wm)) * wm, wm), pl.ds((job // (h // wm)) * wn, wn)
+
+      def tile(acc_ref, out_smem):
+        def step(_, a_smem, b_smem):
+          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+          plgpu.wgmma_wait(1)
+
+        plgpu.emit_pipeline(
+            step, grid=(pl.cdiv(s, wk),), max_concurrent_steps=weight_grad_stages,
+            in_specs=[plgpu.BlockSpec((wk, wm), lambda k: (k, 0), transforms=_tiles(dtype),
+                                      delay_release=1),
+                      plgpu.BlockSpec((wk, wn), lambda k: (k, 0), transforms=_tiles(dtype),
+                                      delay_release=1)],
+        )(g_gmem.at[:, rows], gelu_gmem.at[:, cols])
+        plgpu.wgmma_wait(0)
+        out_smem[...] = acc_ref[...]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, weight_grad_gmem.at[rows, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+      pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32),
+                    plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
+
+  return plgpu.kernel(
+      kernel, out_type=(out_struct((s, i), dtype, fc1_output),
+                        out_struct((h, i), jnp.float32, fc1_output)),
+      grid=(n_pre + n_weight_grad,), grid_names=("block",),
+  )(grad_output16, fc2_weight, fc1_output, gelu_output16)
