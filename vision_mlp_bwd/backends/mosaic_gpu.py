@@ -76,6 +76,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
   pm, pn, pk = PRE_TILE
+  rows_per_tile = 8 if s % 8 == 0 else 1   # the tiling of fc1_output's and the output's tiles
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)
@@ -115,8 +116,9 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
                     plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
-                    plgpu.SMEM((pm, pn), jnp.float32, transforms=_tiles(jnp.float32, rows=1)),
-                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows=1)),
+                    plgpu.SMEM((pm, pn), jnp.float32,
+                               transforms=_tiles(jnp.float32, rows_per_tile)),
+                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)),
                     plgpu.Barrier(num_arrivals=1))
 
     @pl.when(block >= n_pre)

@@ -124,7 +124,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
     if mosaic:   # the rest of Triton's launch 1: the fc2 bias gradient, the counters
-      jobs += [(Scales(grad_output.shape, axis=0, sums=True), (grad_output,)), *counters]
+      one_step = min(pl.next_power_of_2(problem.tokens), 256)   # a chain of steps is slower
+      jobs += [(Scales(grad_output.shape, axis=0, sums=True, step=one_step), (grad_output,)),
+               *counters]
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
     acts.update(zip(early, outs))
     if mosaic:
