@@ -123,14 +123,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
-    if mosaic:   # the rest of Triton's launch 1: the fc2 bias gradient, the counters
-      one_step = min(pl.next_power_of_2(problem.tokens), 256)   # a chain of steps is slower
-      jobs += [(Scales(grad_output.shape, axis=0, sums=True, step=one_step), (grad_output,)),
-               *counters]
+    if mosaic:   # Triton's launch 1 would zero them
+      jobs += counters
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
     acts.update(zip(early, outs))
-    if mosaic:
-      (_, column_sums), *rest = outs[len(early):]
+    rest = outs[len(early):]
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
@@ -145,7 +142,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     if mosaic:
       grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
                                                       acts["gelu_output"])
-      grad_fc2_bias = column_sums[0]
     else:
       grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
           by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
@@ -155,11 +151,18 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           *counters,
       ], "mlp_backward_1")
       acts.update(zip(late, rest))
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
+    # Triton's launch 1 sums grad_output's columns in grad_fc2_weight's programs;
+    # with the Mosaic one, a job of launch 2 does (one step: chains are slower).
+    fc2_bias_job = [(Scales(grad_output.shape, axis=0, sums=True,
+                            step=min(pl.next_power_of_2(problem.tokens), 256)), (grad_output,))]
+    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *column_sums = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
                   counters=rest[-1] if counters else None),
         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
+        *(fc2_bias_job if mosaic else []),
     ], "mlp_backward_2")
+    if mosaic:
+      grad_fc2_bias = column_sums[0][1][0]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
