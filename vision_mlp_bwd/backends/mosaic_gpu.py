@@ -24,7 +24,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends.triton.kernels import out_struct
 from vision_mlp_bwd.problem import Problem
-from vision_mlp_bwd.reference import gelu_tanh_grad
 
 PRE_TILE = (128, 64, 64)            # pre-GELU gradient: rows, columns, contraction step
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
@@ -55,42 +54,44 @@ def _tiles(dtype, rows=8):
   """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
-  is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
+  is not a multiple of 8 (the output, `[S, I]`)."""
   return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(SWIZZLE))
 
 
-def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
+def launch_1(grad_output16, fc2_weight, gelu_grad, gelu_output16, *, tokens, stages=4,
              weight_grad_stages=4):
   """`(grad_fc1_output [S, I] 16-bit, grad_fc2_weight [H, I] fp32)` in one Mosaic GPU grid.
 
   `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
-  are the 16-bit operands with zero rows past S; `fc2_weight [H, I]` and
-  `fc1_output [S, I]` are fp32 as the caller has them. Blocks
-  `[0, n_pre)` each compute one tile of the pre-GELU gradient: its fp32
-  weight tiles are rounded to the operand dtype into two alternating buffers
-  that wgmma reads, and the GELU derivative is applied in the epilogue. The
-  other blocks each compute one tile of `grad_fc2_weight`. Reads past the
-  last row are zeros and writes there are dropped (TMA).
+  are the 16-bit operands and `gelu_grad [padded_rows(S), I]` the GELU
+  derivative at `fc1_output` (fp32), zeros past row S = `tokens`;
+  `fc2_weight [H, I]` is fp32 as stored. Blocks `[0, n_pre)` each compute one
+  tile of the pre-GELU gradient: its fp32 weight tiles are rounded to the
+  operand dtype into two alternating buffers that wgmma reads, and the
+  epilogue multiplies by `gelu_grad` (computed by the casts launch before:
+  here, on the chain's critical path, it cost ~2 us at S=211-256). The other
+  blocks each compute one tile of `grad_fc2_weight`. Reads past the last row
+  are zeros and writes there are dropped (TMA).
   """
-  (s, i), h = fc1_output.shape, fc2_weight.shape[0]
+  s, (h, i) = tokens, fc2_weight.shape
   dtype = grad_output16.dtype
   pm, pn, pk = PRE_TILE
-  rows_per_tile = 8 if s % 8 == 0 else 1   # the tiling of fc1_output's and the output's tiles
+  out_rows_per_tile = 8 if s % 8 == 0 else 1   # TMA needs 8 | S for 8-row tiles
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)
   n_weight_grad = (h // wm) * (i // wn)
 
-  def kernel(g_gmem, w_gmem, x_gmem, gelu_gmem, pre_gmem, weight_grad_gmem):
+  def kernel(g_gmem, w_gmem, dgelu_gmem, gelu_gmem, pre_gmem, weight_grad_gmem):
     block = lax.axis_index("block")
 
     @pl.when(block < n_pre)
     def _():
       rows, cols = pl.ds((block % gm) * pm, pm), pl.ds((block // gm) * pn, pn)
 
-      def tile(acc_ref, b16, x_smem, out_smem, x_arrived):
-        plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
+      def tile(acc_ref, b16, dgelu_smem, out_smem, dgelu_arrived):
+        plgpu.copy_gmem_to_smem(dgelu_gmem.at[rows, cols], dgelu_smem, dgelu_arrived)
 
         def step(indices, a_smem, b_smem):
           slot = indices[0] % 2
@@ -107,18 +108,17 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
                                       transforms=_tiles(jnp.float32))],
         )(g_gmem.at[rows], w_gmem.at[:, cols])
         plgpu.wgmma_wait(0)
-        plgpu.barrier_wait(x_arrived)
-        x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
-        out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
+        plgpu.barrier_wait(dgelu_arrived)
+        dgelu = plgpu.load(dgelu_smem, (), layout=plgpu.Layout.WGMMA)
+        out_smem[...] = (acc_ref[...] * dgelu).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
         plgpu.wait_smem_to_gmem(0)
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
                     plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
-                    plgpu.SMEM((pm, pn), jnp.float32,
-                               transforms=_tiles(jnp.float32, rows_per_tile)),
-                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)),
+                    plgpu.SMEM((pm, pn), jnp.float32, transforms=_tiles(jnp.float32)),
+                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, out_rows_per_tile)),
                     plgpu.Barrier(num_arrivals=1))
 
     @pl.when(block >= n_pre)
@@ -148,7 +148,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
                     plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
 
   return plgpu.kernel(
-      kernel, out_type=(out_struct((s, i), dtype, fc1_output),
-                        out_struct((h, i), jnp.float32, fc1_output)),
+      kernel, out_type=(out_struct((s, i), dtype, gelu_grad),
+                        out_struct((h, i), jnp.float32, gelu_grad)),
       grid=(n_pre + n_weight_grad,), grid_names=("block",),
-  )(grad_output16, fc2_weight, fc1_output, gelu_output16)
+  )(grad_output16, fc2_weight, gelu_grad, gelu_output16)
