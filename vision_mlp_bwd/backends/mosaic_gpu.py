@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends.triton.kernels import out_struct
 from vision_mlp_bwd.problem import Problem
+from vision_mlp_bwd.reference import gelu_tanh_grad
 
 PRE_TILE = (128, 64, 64)            # pre-GELU gradient: rows, columns, contraction step
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
@@ -54,30 +55,32 @@ def _tiles(dtype, rows=8):
   """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
-  is not a multiple of 8 (the output, `[S, I]`)."""
+  is not a multiple of 8 (`fc1_output` and the output, `[S, I]`)."""
   return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(SWIZZLE))
 
 
-def launch_1(grad_output16, fc2_weight, gelu_grad, gelu_output16, *, tokens, stages=4,
+def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
              weight_grad_stages=4):
   """`(grad_fc1_output [S, I] 16-bit, grad_fc2_weight [H, I] fp32)` in one Mosaic GPU grid.
 
   `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
-  are the 16-bit operands and `gelu_grad [padded_rows(S), I]` the GELU
-  derivative at `fc1_output` (fp32), zeros past row S = `tokens`;
-  `fc2_weight [H, I]` is fp32 as stored. Blocks `[0, n_pre)` each compute one
-  tile of the pre-GELU gradient: its fp32 weight tiles are rounded to the
-  operand dtype into two alternating buffers that wgmma reads, and the
-  epilogue multiplies by `gelu_grad` (computed by the casts launch before:
-  here, on the chain's critical path, it cost ~2 us at S=211-256). The other
-  blocks each compute one tile of `grad_fc2_weight`. Reads past the last row
-  are zeros and writes there are dropped (TMA).
+  are the 16-bit operands with zero rows past S; `fc2_weight [H, I]` and
+  `fc1_output [S, I]` are fp32 as the caller has them. Blocks `[0, n_pre)`
+  each compute one tile of the pre-GELU gradient: its fp32 weight tiles are
+  rounded to the operand dtype into two alternating buffers that wgmma reads.
+  The GELU derivative of its `fc1_output` tile is computed in place, 64 rows
+  at a time, while the first steps' MMAs run (in the epilogue it cost ~2.5 us
+  at S=211-256, and ~3 us more in the casts launch). The other blocks each
+  compute one tile of `grad_fc2_weight`. Reads past the last row are zeros and
+  writes there are dropped (TMA).
   """
-  s, (h, i) = tokens, fc2_weight.shape
+  (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
   pm, pn, pk = PRE_TILE
-  out_rows_per_tile = 8 if s % 8 == 0 else 1   # TMA needs 8 | S for 8-row tiles
+  rows_per_tile = 8 if s % 8 == 0 else 1   # of fc1_output's and the output's: TMA needs 8 | S
+  steps = pl.cdiv(h, pk)
+  gelu_at = [min(1 + j, steps - 1) for j in range(pm // 64)]   # step of each 64 rows' GELU
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)
@@ -98,17 +101,23 @@ def launch_1(grad_output16, fc2_weight, gelu_grad, gelu_output16, *, tokens, sta
           b16.at[slot][...] = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA).astype(dtype)
           plgpu.commit_smem()
           plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
+          for j, at in enumerate(gelu_at):
+            @pl.when(indices[0] == at)
+            def _(j=j):
+              if j == 0:
+                plgpu.barrier_wait(dgelu_arrived)
+              part = dgelu_smem.at[pl.ds(64 * j, 64)]
+              part[...] = gelu_tanh_grad(plgpu.load(part, (), layout=plgpu.Layout.WGMMA))
           plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
 
         plgpu.emit_pipeline(
-            step, grid=(pl.cdiv(h, pk),), max_concurrent_steps=stages,
+            step, grid=(steps,), max_concurrent_steps=stages,
             in_specs=[plgpu.BlockSpec((pm, pk), lambda k: (0, k), transforms=_tiles(dtype),
                                       delay_release=1),
                       plgpu.BlockSpec((pk, pn), lambda k: (k, 0),
                                       transforms=_tiles(jnp.float32))],
         )(g_gmem.at[rows], w_gmem.at[:, cols])
         plgpu.wgmma_wait(0)
-        plgpu.barrier_wait(dgelu_arrived)
         dgelu = plgpu.load(dgelu_smem, (), layout=plgpu.Layout.WGMMA)
         out_smem[...] = (acc_ref[...] * dgelu).astype(dtype)
         plgpu.commit_smem()
@@ -117,8 +126,9 @@ def launch_1(grad_output16, fc2_weight, gelu_grad, gelu_output16, *, tokens, sta
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
                     plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
-                    plgpu.SMEM((pm, pn), jnp.float32, transforms=_tiles(jnp.float32)),
-                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, out_rows_per_tile)),
+                    plgpu.SMEM((pm, pn), jnp.float32,
+                               transforms=_tiles(jnp.float32, rows_per_tile)),
+                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)),
                     plgpu.Barrier(num_arrivals=1))
 
     @pl.when(block >= n_pre)
@@ -148,7 +158,7 @@ def launch_1(grad_output16, fc2_weight, gelu_grad, gelu_output16, *, tokens, sta
                     plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
 
   return plgpu.kernel(
-      kernel, out_type=(out_struct((s, i), dtype, gelu_grad),
-                        out_struct((h, i), jnp.float32, gelu_grad)),
+      kernel, out_type=(out_struct((s, i), dtype, fc1_output),
+                        out_struct((h, i), jnp.float32, fc1_output)),
       grid=(n_pre + n_weight_grad,), grid_names=("block",),
-  )(grad_output16, fc2_weight, gelu_grad, gelu_output16)
+  )(grad_output16, fc2_weight, fc1_output, gelu_output16)

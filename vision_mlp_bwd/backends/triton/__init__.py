@@ -123,9 +123,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
-    if mosaic:   # the GELU derivative launch 1 multiplies by; counters Triton's would zero
-      jobs += [(Cast(fc1_output.shape, jnp.float32, rows=padded, gelu_grad=True), (fc1_output,)),
-               *counters]
+    if mosaic:   # Triton's launch 1 would zero them
+      jobs += counters
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
     acts.update(zip(early, outs))
     rest = outs[len(early):]
@@ -141,9 +140,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
     # (and the zeroed arrival counters of its split input gradient, if any).
     if mosaic:
-      gelu_grad, *rest = rest
-      grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, gelu_grad,
-                                                      acts["gelu_output"], tokens=problem.tokens)
+      grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
+                                                      acts["gelu_output"])
     else:
       grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
           by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,

@@ -114,8 +114,8 @@ class Config:
   # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
   # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
   # tiles double-buffered, TMA-fed) instead of Triton's; the casts launch then
-  # also casts hidden_state and computes the GELU derivative, and launch 2
-  # sums grad_output's columns (the fc2 bias gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
+  # also casts hidden_state, and launch 2 sums grad_output's columns (the fc2
+  # bias gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
   # 128) launch 1 stays Triton's. Measured on the H200 at S=211: launch 1
   # 21.8 against 24.4 us (benchmarks/NOTES.md, 23).
   mosaic_launch_1: bool = False

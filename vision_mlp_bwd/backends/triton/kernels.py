@@ -212,14 +212,12 @@ class Cast:
   """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program.
 
   With `rows` (>= shape[0]), the result has that many rows, zeros past the
-  input's (the padded operands of `mosaic_gpu.launch_1`); with `gelu_grad`,
-  it is `gelu_tanh_grad(x)` (in fp32 first) instead of `x`."""
+  input's (the padded operands of `mosaic_gpu.launch_1`)."""
 
   shape: tuple[int, ...]
   out_dtype: jnp.dtype
   block: int = 4096
   rows: int = 0
-  gelu_grad: bool = False
 
   num_inputs = 1
   num_outputs = 1
@@ -250,10 +248,7 @@ class Cast:
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
     del mode, interpret
     indices, mask = _span(program, self.block, self.out_size)
-    inside = indices < self.size
-    x = plgpu.load(in_refs[0].at[indices], mask=inside, other=0.0)
-    if self.gelu_grad:
-      x = jnp.where(inside, gelu_tanh_grad(x.astype(jnp.float32)), 0.0)
+    x = plgpu.load(in_refs[0].at[indices], mask=indices < self.size, other=0.0)
     plgpu.store(out_refs[0].at[indices], x.astype(out_refs[0].dtype), mask=mask)
 
   def finish(self, outs):
