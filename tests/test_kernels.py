@@ -282,10 +282,12 @@ def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():
   from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.problem import Problem
   tile = TileConfig(16, 32, 16)
-  for bad in (dict(), dict(cast_inputs=True), dict(cast_inputs=True, fused_casts=True,
-                                                    cast_weights=True)):
-    with pytest.raises(ValueError, match="mosaic_launch_1 replaces the grouped launch 1"):
-      Config(tile, tile, tile, mosaic_launch_1=True, **bad)
+  fused = dict(cast_inputs=True, fused_casts=True, mosaic_launch_1=True)
+  assert Config(tile, tile, tile, **fused).launch_1_on_mosaic
+  for other in (dict(cast_inputs=False, fused_casts=False), dict(fused_casts=False),
+                dict(cast_weights=True), dict(group_launches=False), dict(weights_on_left=True),
+                dict(mosaic_launch_1=False)):
+    assert not Config(tile, tile, tile, **{**fused, **other}).launch_1_on_mosaic, other
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
   assert "interpret mode" in mosaic_gpu.unsupported_reason(problem, interpret=True)
   assert "Hopper" in mosaic_gpu.unsupported_reason(problem, interpret=False)   # the CPU

@@ -55,7 +55,7 @@ def _tiles(dtype, rows=8):
   """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
-  is not a multiple of 8 (`fc1_output` and the output, `[S, I]`)."""
+  is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
   return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(SWIZZLE))
 
@@ -66,60 +66,52 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
 
   `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
   are the 16-bit operands with zero rows past S; `fc2_weight [H, I]` and
-  `fc1_output [S, I]` are fp32 as the caller has them. Blocks `[0, n_pre)`
-  each compute one tile of the pre-GELU gradient: its fp32 weight tiles are
-  rounded to the operand dtype into two alternating buffers that wgmma reads.
-  The GELU derivative of its `fc1_output` tile is computed in place, 64 rows
-  at a time, while the first steps' MMAs run (in the epilogue it cost ~2.5 us
-  at S=211-256, and ~3 us more in the casts launch). The other blocks each
-  compute one tile of `grad_fc2_weight`. Reads past the last row are zeros and
-  writes there are dropped (TMA).
+  `fc1_output [S, I]` are fp32 as the caller has them. Blocks
+  `[0, n_pre)` each compute one tile of the pre-GELU gradient: its fp32
+  weight tiles are rounded to the operand dtype into two alternating buffers
+  that wgmma reads, and the GELU derivative is applied in the epilogue (it
+  costs ~2.5 us there at S=211, but was slower computed during the first
+  steps or by the casts launch; benchmarks/NOTES.md, 23). The
+  other blocks each compute one tile of `grad_fc2_weight`. Reads past the
+  last row are zeros and writes there are dropped (TMA).
   """
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
   pm, pn, pk = PRE_TILE
-  rows_per_tile = 8 if s % 8 == 0 else 1   # of fc1_output's and the output's: TMA needs 8 | S
-  steps = pl.cdiv(h, pk)
-  gelu_at = [min(1 + j, steps - 1) for j in range(pm // 64)]   # step of each 64 rows' GELU
+  rows_per_tile = 8 if s % 8 == 0 else 1   # the tiling of fc1_output's and the output's tiles
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)
   n_weight_grad = (h // wm) * (i // wn)
 
-  def kernel(g_gmem, w_gmem, dgelu_gmem, gelu_gmem, pre_gmem, weight_grad_gmem):
+  def kernel(g_gmem, w_gmem, x_gmem, gelu_gmem, pre_gmem, weight_grad_gmem):
     block = lax.axis_index("block")
 
     @pl.when(block < n_pre)
     def _():
       rows, cols = pl.ds((block % gm) * pm, pm), pl.ds((block // gm) * pn, pn)
 
-      def tile(acc_ref, b16, dgelu_smem, out_smem, dgelu_arrived):
-        plgpu.copy_gmem_to_smem(dgelu_gmem.at[rows, cols], dgelu_smem, dgelu_arrived)
+      def tile(acc_ref, b16, x_smem, out_smem, x_arrived):
+        plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
 
         def step(indices, a_smem, b_smem):
           slot = indices[0] % 2
           b16.at[slot][...] = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA).astype(dtype)
           plgpu.commit_smem()
           plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
-          for j, at in enumerate(gelu_at):
-            @pl.when(indices[0] == at)
-            def _(j=j):
-              if j == 0:
-                plgpu.barrier_wait(dgelu_arrived)
-              part = dgelu_smem.at[pl.ds(64 * j, 64)]
-              part[...] = gelu_tanh_grad(plgpu.load(part, (), layout=plgpu.Layout.WGMMA))
           plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
 
         plgpu.emit_pipeline(
-            step, grid=(steps,), max_concurrent_steps=stages,
+            step, grid=(pl.cdiv(h, pk),), max_concurrent_steps=stages,
             in_specs=[plgpu.BlockSpec((pm, pk), lambda k: (0, k), transforms=_tiles(dtype),
                                       delay_release=1),
                       plgpu.BlockSpec((pk, pn), lambda k: (k, 0),
                                       transforms=_tiles(jnp.float32))],
         )(g_gmem.at[rows], w_gmem.at[:, cols])
         plgpu.wgmma_wait(0)
-        dgelu = plgpu.load(dgelu_smem, (), layout=plgpu.Layout.WGMMA)
-        out_smem[...] = (acc_ref[...] * dgelu).astype(dtype)
+        plgpu.barrier_wait(x_arrived)
+        x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
+        out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
         plgpu.wait_smem_to_gmem(0)

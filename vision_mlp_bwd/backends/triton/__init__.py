@@ -72,7 +72,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                             gelu_output, config, launch)
   acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
   # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run.
-  mosaic = (config.mosaic_launch_1 and operand_dtype is not None and out_dtype == jnp.float32
+  mosaic = (config.launch_1_on_mosaic and operand_dtype is not None and out_dtype == jnp.float32
             and mosaic_gpu.unsupported_reason(problem, interpret) is None)
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
   if operand_dtype is not None and config.cast_inputs:

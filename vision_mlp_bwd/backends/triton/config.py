@@ -114,11 +114,19 @@ class Config:
   # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
   # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
   # tiles double-buffered, TMA-fed) instead of Triton's; the casts launch then
-  # also casts hidden_state, and launch 2 sums grad_output's columns (the fc2
-  # bias gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
-  # 128) launch 1 stays Triton's. Measured on the H200 at S=211: launch 1
+  # also casts hidden_state and sums grad_output's columns (the fc2 bias
+  # gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
+  # 128, other flags: `launch_1_on_mosaic`) launch 1 stays Triton's. Measured on the H200 at S=211: launch 1
   # 21.8 against 24.4 us (benchmarks/NOTES.md, 23).
   mosaic_launch_1: bool = False
+
+  @property
+  def launch_1_on_mosaic(self) -> bool:
+    """mosaic_launch_1 where the rest allows: it replaces the grouped launch 1 of
+    the fused casts (cast_inputs, fused_casts, group_launches), weights as stored."""
+    return self.mosaic_launch_1 and self.cast_inputs and self.fused_casts and (
+        self.group_launches and not (self.cast_weights or self.k_major_weights
+                                     or self.weights_on_left or self.xla_weight_products))
 
   @property
   def fc1_weight_grad_tile(self) -> TileConfig:
@@ -128,12 +136,7 @@ class Config:
     if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
       raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
                        "k_major_weights and weights_on_left lay them out for the kernels.")
-    if self.mosaic_launch_1 and not (
-        self.cast_inputs and self.fused_casts and self.group_launches and not (
-            self.cast_weights or self.k_major_weights or self.weights_on_left
-            or self.xla_weight_products)):
-      raise ValueError("Config.mosaic_launch_1 replaces the grouped launch 1 of the fused casts "
-                       "(cast_inputs, fused_casts, group_launches) with the weights as stored.")
+
 
 
 T = TileConfig
@@ -147,18 +150,21 @@ C = Config
 # (results/tune*_h200.*, the rows above S=256) were up to 30% off.
 # benchmarks/NOTES.md tells the story. At S=129-144 the 16-bit pre-activation
 # block is 128 rows plus a 16-row tail (51.5 against 52.1 us at F16 S=131,
-# results/tails2_h200.log). Rows: (largest S or None, Config).
+# results/tails2_h200.log). Launch 1 as one Mosaic GPU grid (`mosaic_launch_1`)
+# at S=65-144 and 161-224: F16 S=128 38.3 against 43.5 us, 131 50.7 / 51.6,
+# 211 52.2 / 52.8, but 256 54.3 / 53.7 (results/mosaic211_f16_h200.json,
+# benchmarks/NOTES.md, 23). Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
-            cast_inputs=True, fused_casts=True)),
+            cast_inputs=True, fused_casts=True, mosaic_launch_1=True)),
     (144, C(T(128, 32, 64, num_stages=4, tail_m=16), T(128, 128, 64),
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,
-            fused_casts=True)),                                                  # S=131
+            fused_casts=True, mosaic_launch_1=True)),                            # S=131
     (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True)),
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
-            fused_casts=True, sum_splits_in_kernel=True)),
+            fused_casts=True, sum_splits_in_kernel=True, mosaic_launch_1=True)),
     (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
             cast_inputs=True, fused_casts=True, sum_splits_in_kernel=True)),
     (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
