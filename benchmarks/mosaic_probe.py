@@ -13,10 +13,13 @@ same operands and XLA's transpose of a weight. Run on the GPU:
 
     python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent chained transposing]
     python -m benchmarks.mosaic_probe --seq-lens 128 256 --kernels converting
+    python -m benchmarks.mosaic_probe --seq-lens 211 256 --kernels launch1
 
 `converting` times instead the F16 pre-activation product (f16 activations,
 fp32 weights as stored) with the weight tiles converted in shared memory,
 through one or two f16 buffers, beside the Triton kernel's loop.
+`launch1` times the package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`)
+per pipeline depth.
 """
 
 from __future__ import annotations
@@ -295,131 +298,42 @@ def converting_probe(seq_lens, h, i):
   return rows
 
 
-def f16_launch_1(g16, w2, gelu_grad, gelu16, *, stages=3, wg_stages=3, wg_tile_n=128,
-                 wg_tile_k=64):
-  """F16 launch 1 on Mosaic GPU: both of its products in one grid, as Triton's launch 1 runs them.
-
-  Programs `[0, n_pre)` each compute one `[128, 64]` tile of the pre-GELU
-  gradient, `(g16 @ w2) * gelu_grad` stored as f16, converting `w2`'s fp32
-  tiles through two f16 buffers (`converting_matmul`); the rest each compute a
-  `[128, wg_tile_n]` tile of `grad_fc2_weight = g16.T @ gelu16` (fp32). Ragged
-  S is left to TMA: reads past the last row are zeros, writes there are
-  dropped. TMA's tiled layouts want arrays whose rows are a multiple of 8,
-  so `g16`, `gelu16` and `gelu_grad` (gelu'(fc1_output), fp32) come with
-  their rows padded so (zeros; a casts launch before can write them so) and
-  the pre-GELU gradient leaves so padded. The bias sum is not here (a probe
-  of the products' time).
-  """
-  (s, h), i = g16.shape, w2.shape[1]
-  pm, pn, tk = 128, 64, 64
-  wm, wn, wk = 128, wg_tile_n, wg_tile_k
-  gm, gn = pl.cdiv(s, pm), i // pn
-  wgm = h // wm
-  n_pre, n_wg = gm * gn, wgm * (i // wn)
-
-  def kernel(g_gmem, w_gmem, dgelu_gmem, gelu_gmem, pre_gmem, wg_gmem):
-    pid = lax.axis_index("p")
-
-    @pl.when(pid < n_pre)
-    def _():
-      rows, cols = pl.ds((pid % gm) * pm, pm), pl.ds((pid // gm) * pn, pn)
-
-      def tile(acc_ref, b16, dgelu_smem, out_smem, barrier):
-        plgpu.copy_gmem_to_smem(dgelu_gmem.at[rows, cols], dgelu_smem, barrier)
-
-        def step(indices, a_smem, b_smem):
-          slot = indices[0] % 2
-          b16.at[slot][...] = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA).astype(
-              jnp.float16)
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
-          plgpu.wgmma_wait(1)
-
-        plgpu.emit_pipeline(
-            step, grid=(h // tk,), max_concurrent_steps=stages,
-            in_specs=[plgpu.BlockSpec((pm, tk), lambda k: (0, k), transforms=_f16_tiles(),
-                                      delay_release=1),
-                      plgpu.BlockSpec((tk, pn), lambda k: (k, 0), transforms=_k_major_tiles())],
-        )(g_gmem.at[rows], w_gmem.at[:, cols])
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_wait(barrier)
-        dgelu = plgpu.load(dgelu_smem, (), layout=plgpu.Layout.WGMMA)
-        out_smem[...] = (acc_ref[...] * dgelu).astype(jnp.float16)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
-        plgpu.wait_smem_to_gmem(0)
-
-      pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
-                    plgpu.SMEM((2, tk, pn), jnp.float16, transforms=_f16_tiles()),
-                    plgpu.SMEM((pm, pn), jnp.float32, transforms=_k_major_tiles()),
-                    plgpu.SMEM((pm, pn), jnp.float16, transforms=_f16_tiles()),
-                    plgpu.Barrier(num_arrivals=1))
-
-    @pl.when(pid >= n_pre)
-    def _():
-      q = pid - n_pre
-      hs, cols = pl.ds((q % wgm) * wm, wm), pl.ds((q // wgm) * wn, wn)
-
-      def tile(acc_ref, out_smem):
-        def step(_, a_smem, b_smem):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
-          plgpu.wgmma_wait(1)
-
-        plgpu.emit_pipeline(
-            step, grid=(pl.cdiv(s, wk),), max_concurrent_steps=wg_stages,
-            in_specs=[plgpu.BlockSpec((wk, wm), lambda k: (k, 0), transforms=_f16_tiles(),
-                                      delay_release=1),
-                      plgpu.BlockSpec((wk, wn), lambda k: (k, 0), transforms=_f16_tiles(),
-                                      delay_release=1)],
-        )(g_gmem.at[:, hs], gelu_gmem.at[:, cols])
-        plgpu.wgmma_wait(0)
-        out_smem[...] = acc_ref[...]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, wg_gmem.at[hs, cols])
-        plgpu.wait_smem_to_gmem(0)
-
-      pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32),
-                    plgpu.SMEM((wm, wn), jnp.float32, transforms=_k_major_tiles()))
-
-  return plgpu.kernel(
-      kernel, out_type=(jax.ShapeDtypeStruct((s, i), jnp.float16),
-                        jax.ShapeDtypeStruct((h, i), jnp.float32)),
-      grid=(n_pre + n_wg,), grid_names=("p",))(g16, w2, gelu_grad, gelu16)
-
-
 def launch_1_probe(seq_lens, h, i):
-  """`f16_launch_1` against the F16 table's Triton launch 1 (the same two products and the
-  bias sum, hidden_state's cast and the counters), per S."""
+  """The package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`, F16) per pipeline depth and S.
+
+  The figures in results/mosaic_probe_launch1*_h200.json came from its
+  prototype (commits 6a3ebfd, 9bd6650), which took the GELU derivative
+  precomputed; compare with the Triton launch 1 that `tune --variants default`
+  reports as mlp_backward_1."""
+  from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.reference import gelu_tanh_grad
   rows = []
   for s in seq_lens:
     keys = jax.random.split(jax.random.key(s), 4)
-    pad = [(0, -s % 8), (0, 0)]
+    pad = [(0, mosaic_gpu.padded_rows(s) - s), (0, 0)]
     g16 = jnp.pad(jax.random.normal(keys[0], (s, h)).astype(jnp.float16), pad)
     w2 = jax.random.normal(keys[1], (h, i)) / 36
     x = jax.random.normal(keys[2], (s, i))
-    gelu_grad = jnp.pad(gelu_tanh_grad(x), pad)
     gelu16 = jnp.pad(jax.random.normal(keys[3], (s, i)).astype(jnp.float16), pad)
     f32 = lambda v: v.astype(jnp.float32)
     exact_pre = jnp.dot(f32(g16), f32(w2.astype(jnp.float16)),
                         precision=lax.Precision.HIGHEST)[:s] * gelu_tanh_grad(x)
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
-    for stages, wg_stages, wg_k in ((4, 3, 64), (5, 3, 64), (4, 4, 64), (5, 4, 64), (4, 2, 128),
-                                    (5, 2, 128), (4, 4, 32), (4, 6, 32)):
-      label = f"mosaic pre st{stages}, weight grad 128x128x{wg_k} st{wg_stages}"
-      fn = jax.jit(functools.partial(f16_launch_1, stages=stages, wg_stages=wg_stages,
-                                     wg_tile_k=wg_k))
+    for stages, weight_grad_stages in ((3, 3), (4, 3), (4, 4), (5, 4)):
+      label = f"mosaic pre st{stages}, weight grad st{weight_grad_stages}"
+      fn = jax.jit(functools.partial(mosaic_gpu.launch_1, stages=stages,
+                                     weight_grad_stages=weight_grad_stages))
       try:
-        pre, wg = fn(g16, w2, gelu_grad, gelu16)
+        pre, wg = fn(g16, w2, x, gelu16)
         errors = [float(jnp.linalg.norm(f32(out) - exact) / jnp.linalg.norm(exact))
-                  for out, exact in ((pre[:s], exact_pre), (wg, exact_wg))]
+                  for out, exact in ((pre, exact_pre), (wg, exact_wg))]
       except Exception as e:  # noqa: BLE001 - e.g. shared memory: report, go on
         print(f"  S={s} {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}",
               flush=True)
         continue
-      us = device_times_us(fn, g16, w2, gelu_grad, gelu16).median_us
+      us = device_times_us(fn, g16, w2, x, gelu16).median_us
       rows.append(dict(name="f16_launch_1", s=s, kernel=label, us=us, errors=errors))
-      print(f"S={s:4d} {label:44s} {us:6.1f} us  errors {errors[0]:.1e} {errors[1]:.1e}",
+      print(f"S={s:4d} {label:36s} {us:6.1f} us  errors {errors[0]:.1e} {errors[1]:.1e}",
             flush=True)
   return rows
 

@@ -326,3 +326,21 @@ def test_mosaic_converting_probe_lowers_for_cuda(double_buffer):
                          double_buffer=double_buffer)
   text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
   assert "mosaic_gpu" in text and "tensor<256x3584xf32>" in text
+
+
+def test_mosaic_probe_launch_1_times_the_package_kernel():
+  """`mosaic_probe --kernels launch1` runs `mosaic_gpu.launch_1` (no copy of it); lowers here."""
+  import inspect
+
+  from benchmarks import mosaic_probe
+  from vision_mlp_bwd.backends import mosaic_gpu
+  assert "mosaic_gpu.launch_1" in inspect.getsource(mosaic_probe.launch_1_probe)
+  rows = mosaic_gpu.padded_rows(211)
+  specs = [jax.ShapeDtypeStruct((rows, 1280), jnp.float16),
+           jax.ShapeDtypeStruct((1280, 3584), jnp.float32),
+           jax.ShapeDtypeStruct((211, 3584), jnp.float32),
+           jax.ShapeDtypeStruct((rows, 3584), jnp.float16)]
+  for stages in ((3, 3), (5, 4)):   # the probe's shallowest and deepest settings
+    fn = functools.partial(mosaic_gpu.launch_1, stages=stages[0], weight_grad_stages=stages[1])
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
