@@ -422,6 +422,20 @@ def test_inside_shard_map_data_parallel():
   _assert_trees_close(jax.jit(unchecked)(params, x), want)
 
 
+def test_in_shard_map_tells_manual_axes():
+  """The Triton backend keeps its Triton launch 1 inside a shard_map (Config.mosaic_launch_1)."""
+  mesh = make_mesh(8, 1)
+  x = jnp.ones((16, 4))
+  assert not sharding.in_shard_map(x)
+  seen = []
+
+  def body(x, w):
+    seen.append((sharding.in_shard_map(x), sharding.in_shard_map(w)))
+    return x
+  jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P()), out_specs=P("data"))(x, x)
+  assert seen == [(True, False)]
+
+
 def test_inside_shard_map_tensor_parallel():
   """Megatron by hand: the user sums the row-parallel fc2 output over `model` (and adds
   fc2_bias once); the psum's transpose makes grad_hidden_state whole."""

@@ -121,6 +121,11 @@ def _varying_axes(x):
   return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
 
 
+def in_shard_map(*arrays) -> bool:
+  """Whether any array varies over a manual mesh axis (is inside a `shard_map`)."""
+  return any(_varying_axes(x) for x in arrays)
+
+
 def match_varying_axes(*arrays):
   """Casts each array to vary over every manual axis any of them varies over.
 

@@ -71,9 +71,13 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                             gelu_output, config, launch)
   acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
-  # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run.
+  # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run;
+  # not yet inside a shard_map (its manual-axis typing is untested there).
+  from vision_mlp_bwd.sharding import in_shard_map  # sharding imports this package
   mosaic = (config.launch_1_on_mosaic and operand_dtype is not None and out_dtype == jnp.float32
-            and mosaic_gpu.unsupported_reason(problem, interpret) is None)
+            and mosaic_gpu.unsupported_reason(problem, interpret) is None
+            and not in_shard_map(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                                 gelu_output))
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
   if operand_dtype is not None and config.cast_inputs:
     if not config.fused_casts:
