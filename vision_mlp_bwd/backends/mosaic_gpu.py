@@ -51,7 +51,7 @@ def unsupported_reason(problem: Problem, interpret: bool) -> str | None:
   return None
 
 
-def _tiles(dtype, rows=8):
+def _tiles(dtype, rows=ROW_MULTIPLE):
   """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
@@ -78,7 +78,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
   pm, pn, pk = PRE_TILE
-  rows_per_tile = 8 if s % 8 == 0 else 1   # the tiling of fc1_output's and the output's tiles
+  rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)

@@ -12,6 +12,9 @@ each tile (counters zeroed in launch 1).
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
 for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
+On Hopper, 16-bit modes may run launch 1 as one Mosaic GPU grid instead
+(`Config.mosaic_launch_1`, `mosaic_gpu.launch_1`); the casts launch then also
+casts `hidden_state` and zeroes the counters, and launch 2 sums `grad_fc2_bias`.
 In 32-bit modes the Config may change operand layouts for the tensor cores
 (`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
 leave the two products with a weight to XLA (`Config.xla_weight_products`).
@@ -131,7 +134,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       jobs += counters
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
     acts.update(zip(early, outs))
-    rest = outs[len(early):]
+    zeroed = outs[len(early):]   # the counters, if any
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
@@ -155,20 +158,26 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           *counters,
       ], "mlp_backward_1")
       acts.update(zip(late, rest))
+      zeroed = rest[len(late):]
     # Triton's launch 1 sums grad_output's columns in grad_fc2_weight's programs;
-    # with the Mosaic one, a job of launch 2 does (one step: chains are slower).
-    fc2_bias_job = [(Scales(grad_output.shape, axis=0, sums=True,
-                            step=min(pl.next_power_of_2(problem.tokens), 256)), (grad_output,))]
+    # with the Mosaic one, a job of launch 2 does.
+    fc2_bias_job = [(_over_columns(grad_output.shape, sums=True), (grad_output,))] if mosaic else []
     grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *column_sums = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
-                  counters=rest[-1] if counters else None),
+                  counters=zeroed[0] if counters else None),
         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
-        *(fc2_bias_job if mosaic else []),
+        *fc2_bias_job,
     ], "mlp_backward_2")
     if mosaic:
       grad_fc2_bias = column_sums[0][1][0]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
+
+
+def _over_columns(shape, **options):
+  """A `Scales` job over the columns of `shape`, all rows in one step up to 256 (a chain of
+  steps is slower)."""
+  return Scales(shape, axis=0, step=min(pl.next_power_of_2(shape[0]), 256), **options)
 
 
 def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
@@ -190,10 +199,10 @@ def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
   f32 = jnp.dtype(jnp.float32)
 
   def cast_over(shape, axis):   # the scaled f16 cast, per column (axis 0) or row (axis 1)
-    extent = shape[axis]
     if axis == 0:
-      return Scales(shape, axis=0, cast=True, step=min(pl.next_power_of_2(extent), 256))
-    return Scales(shape, axis=1, cast=True, block=4, step=min(pl.next_power_of_2(extent), 2048))
+      return _over_columns(shape, cast=True)
+    return Scales(shape, axis=1, cast=True, block=4,
+                  step=min(pl.next_power_of_2(shape[1]), 2048))
 
   counters = []
   input_grad = Product(s, h, i, config.input_grad, f32, scaled_f16=True, speculate_b=True,
