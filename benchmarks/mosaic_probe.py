@@ -13,13 +13,15 @@ same operands and XLA's transpose of a weight. Run on the GPU:
 
     python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent chained transposing]
     python -m benchmarks.mosaic_probe --seq-lens 128 256 --kernels converting
-    python -m benchmarks.mosaic_probe --seq-lens 211 256 --kernels launch1
+    python -m benchmarks.mosaic_probe --seq-lens 211 256 --kernels launch1 \
+        [--launch1-variants tanh one_exp:approx:64x64x64 ...]
 
 `converting` times instead the F16 pre-activation product (f16 activations,
 fp32 weights as stored) with the weight tiles converted in shared memory,
 through one or two f16 buffers, beside the Triton kernel's loop.
 `launch1` times the package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`)
-per pipeline depth.
+per variant: GELU-derivative form, approximate math, pre-activation tile and
+pipeline depths.
 """
 
 from __future__ import annotations
@@ -298,13 +300,16 @@ def converting_probe(seq_lens, h, i):
   return rows
 
 
-def launch_1_probe(seq_lens, h, i):
-  """The package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`, F16) per pipeline depth and S.
+def launch_1_probe(seq_lens, h, i, variants):
+  """The package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`, F16) per variant and S.
 
-  The figures in results/mosaic_probe_launch1*_h200.json came from its
-  prototype (commits 6a3ebfd, 9bd6650), which took the GELU derivative
-  precomputed; compare with the Triton launch 1 that `tune --variants default`
-  reports as mlp_backward_1."""
+  A variant is `(gelu form, approx_math, pre_tile, stages, weight_grad_stages)`
+  (`benchmarks/gelu_forms.py` names the forms). The figures in
+  results/mosaic_probe_launch1*_h200.json came from its prototype (commits
+  6a3ebfd, 9bd6650), which took the GELU derivative precomputed; compare with
+  the Triton launch 1 that `tune --variants default` reports as
+  mlp_backward_1."""
+  from benchmarks import gelu_forms
   from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.reference import gelu_tanh_grad
   rows = []
@@ -319,23 +324,39 @@ def launch_1_probe(seq_lens, h, i):
     exact_pre = jnp.dot(f32(g16), f32(w2.astype(jnp.float16)),
                         precision=lax.Precision.HIGHEST)[:s] * gelu_tanh_grad(x)
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
-    for stages, weight_grad_stages in ((3, 3), (4, 3), (4, 4), (5, 4)):
-      label = f"mosaic pre st{stages}, weight grad st{weight_grad_stages}"
+    for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
+      gelu_forms.use(form)
+      label = (f"{form}{' approx' if approx_math else ''} pre {pre_tile} st{stages}, "
+               f"weight grad st{weight_grad_stages}")
       fn = jax.jit(functools.partial(mosaic_gpu.launch_1, stages=stages,
-                                     weight_grad_stages=weight_grad_stages))
+                                     weight_grad_stages=weight_grad_stages,
+                                     pre_tile=pre_tile, approx_math=approx_math))
       try:
         pre, wg = fn(g16, w2, x, gelu16)
         errors = [float(jnp.linalg.norm(f32(out) - exact) / jnp.linalg.norm(exact))
                   for out, exact in ((pre, exact_pre), (wg, exact_wg))]
+        max_error = float(jnp.max(jnp.abs(f32(pre) - exact_pre)))
       except Exception as e:  # noqa: BLE001 - e.g. shared memory: report, go on
         print(f"  S={s} {label}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}",
               flush=True)
         continue
       us = device_times_us(fn, g16, w2, x, gelu16).median_us
-      rows.append(dict(name="f16_launch_1", s=s, kernel=label, us=us, errors=errors))
-      print(f"S={s:4d} {label:36s} {us:6.1f} us  errors {errors[0]:.1e} {errors[1]:.1e}",
-            flush=True)
+      rows.append(dict(name="f16_launch_1", s=s, kernel=label, us=us, errors=errors,
+                       pre_max_error=max_error))
+      print(f"S={s:4d} {label:60s} {us:6.1f} us  errors {errors[0]:.2e} {errors[1]:.1e} "
+            f"max {max_error:.2e}", flush=True)
+  gelu_forms.use("tanh")
   return rows
+
+
+def _launch_1_variants(text):
+  """`form[:approx]:MxNxK:stages:weight_grad_stages`, e.g. `one_exp:approx:64x64x64:4:4`."""
+  parts = text.split(":")
+  approx = "approx" in parts
+  parts = [p for p in parts if p != "approx"]
+  form, tile, stages, weight_grad_stages = (parts + ["128x64x64", "4", "4"][len(parts) - 1:])[:4]
+  return (form, approx, tuple(int(d) for d in tile.split("x")), int(stages),
+          int(weight_grad_stages))
 
 
 def products(s, h, i):
@@ -382,13 +403,16 @@ def main():
   parser.add_argument("--kernels", nargs="+", default=["plain", "persistent"],
                       choices=["plain", "persistent", "chained", "transposing", "converting",
                                "launch1"])
+  parser.add_argument("--launch1-variants", type=_launch_1_variants, nargs="+",
+                      default=[_launch_1_variants("tanh")],
+                      help="form[:approx]:MxNxK:stages:weight_grad_stages, for --kernels launch1")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584
   rows = []
   if args.kernels in (["converting"], ["launch1"]):
-    probe = converting_probe if args.kernels == ["converting"] else launch_1_probe
-    rows = probe(args.seq_lens, h, i)
+    rows = (converting_probe(args.seq_lens, h, i) if args.kernels == ["converting"]
+            else launch_1_probe(args.seq_lens, h, i, args.launch1_variants))
     with open(os.path.join(args.out, f"mosaic_probe_{args.kernels[0]}.json"), "w") as f:
       json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__, rows=rows), f,
                 indent=1)

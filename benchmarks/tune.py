@@ -29,6 +29,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from benchmarks import gelu_forms
 from benchmarks.timing import Timing, device_times_us
 from vision_mlp_bwd.backends.triton.config import TileConfig, default_config, on_f16_config
 from vision_mlp_bwd.backends.triton.kernels import tiled_matmul
@@ -311,8 +312,11 @@ def main():
   parser.add_argument("--seeds", nargs="+", default=(),
                       help="with --search-configs: variants (as --variants takes them) timed "
                            "beside the table's Config in a first round")
+  parser.add_argument("--gelu-form", default="tanh",
+                      help="the GELU derivative's form in every kernel (benchmarks/gelu_forms.py)")
   args = parser.parse_args()
 
+  gelu_forms.use(args.gelu_form)
   h, i = args.hidden, args.intermediate
   os.makedirs(args.out, exist_ok=True)
   if args.search_configs:

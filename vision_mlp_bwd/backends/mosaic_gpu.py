@@ -61,7 +61,7 @@ def _tiles(dtype, rows=ROW_MULTIPLE):
 
 
 def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
-             weight_grad_stages=4):
+             weight_grad_stages=4, pre_tile=PRE_TILE, approx_math=False):
   """`(grad_fc1_output [S, I] 16-bit, grad_fc2_weight [H, I] fp32)` in one Mosaic GPU grid.
 
   `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
@@ -73,11 +73,12 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
   costs ~2.5 us there at S=211, but was slower computed during the first
   steps or by the casts launch; benchmarks/NOTES.md, 23). The
   other blocks each compute one tile of `grad_fc2_weight`. Reads past the
-  last row are zeros and writes there are dropped (TMA).
+  last row are zeros and writes there are dropped (TMA). `approx_math` lets
+  exp and tanh use the hardware's approximate instructions.
   """
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
-  pm, pn, pk = PRE_TILE
+  pm, pn, pk = pre_tile
   rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
@@ -153,4 +154,5 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
       kernel, out_type=(out_struct((s, i), dtype, fc1_output),
                         out_struct((h, i), jnp.float32, fc1_output)),
       grid=(n_pre + n_weight_grad,), grid_names=("block",),
+      compiler_params=plgpu.CompilerParams(approx_math=approx_math),
   )(grad_output16, fc2_weight, fc1_output, gelu_output16)
