@@ -1,37 +1,31 @@
-"""Other ways to write the GELU derivative, to time against `reference.gelu_tanh_grad`.
+"""The GELU derivative's forms that were timed, to time them again.
 
-`use(form)` puts one in place of the shared derivative in the Triton and
-Mosaic GPU kernels (for `tune` and `mosaic_probe`), so the same kernels run
-with only the elementwise epilogue changed. Each form is the contract's
-derivative rewritten exactly: with u = sqrt(2/pi) (x + 0.044715 x^3) and
-r = sigmoid(2u) = (1 + tanh u) / 2, gelu'(x) = r (1 + 2 sqrt(2/pi) x
-(1 + 3 * 0.044715 x^2) (1 - r)), one exp instead of a tanh.
+`use(form)` puts one in place of the shared derivative
+(`reference.gelu_tanh_grad`) in the Triton and Mosaic GPU kernels (for `tune`
+and `mosaic_probe`), so the same kernels run with only the elementwise
+epilogue changed. "tanh" is the contract's formula as written, which the
+package used until the one-exp form ("one_exp_rsqrt", the package's now)
+measured faster in the Mosaic launch 1 (benchmarks/NOTES.md, 24). A third
+form, r as the division 1 / (1 + exp(-2u)), timed as the tanh form did
+(commit 7acd28c).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.reference import GELU_CUBIC, SQRT_2_OVER_PI
 
 
-def _one_exp(x, reciprocal):
+def contract_tanh_form(x):
+  """The contract's derivative as written: 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x), t = tanh u."""
   x2 = x * x
-  e = jnp.exp(x * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
-  r = reciprocal(1.0 + e)
-  slope = x * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x2)
-  return r + r * (slope * (1.0 - r))
+  t = jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x2 * x))
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x2)
 
 
-FORMS = {
-    "tanh": reference.gelu_tanh_grad,
-    # r as a division
-    "one_exp": lambda x: _one_exp(x, lambda y: 1.0 / y),
-    # r as rsqrt squared: rsqrt(inf) = 0 keeps the x -> -inf limit
-    "one_exp_rsqrt": lambda x: _one_exp(x, lambda y: jnp.square(lax.rsqrt(y))),
-}
+FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": reference.gelu_tanh_grad}
 
 
 def use(form: str) -> None:

@@ -14,7 +14,7 @@ same operands and XLA's transpose of a weight. Run on the GPU:
     python -m benchmarks.mosaic_probe --seq-lens 128 256 [--kernels plain persistent chained transposing]
     python -m benchmarks.mosaic_probe --seq-lens 128 256 --kernels converting
     python -m benchmarks.mosaic_probe --seq-lens 211 256 --kernels launch1 \
-        [--launch1-variants tanh one_exp:approx:64x64x64 ...]
+        [--launch1-variants one_exp_rsqrt tanh:exact:64x64x64 ...]
 
 `converting` times instead the F16 pre-activation product (f16 activations,
 fp32 weights as stored) with the weight tiles converted in shared memory,
@@ -326,7 +326,7 @@ def launch_1_probe(seq_lens, h, i, variants):
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
     for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
       gelu_forms.use(form)
-      label = (f"{form}{' approx' if approx_math else ''} pre {pre_tile} st{stages}, "
+      label = (f"{form}{'' if approx_math else ' exact'} pre {pre_tile} st{stages}, "
                f"weight grad st{weight_grad_stages}")
       fn = jax.jit(functools.partial(mosaic_gpu.launch_1, stages=stages,
                                      weight_grad_stages=weight_grad_stages,
@@ -345,15 +345,17 @@ def launch_1_probe(seq_lens, h, i, variants):
                        pre_max_error=max_error))
       print(f"S={s:4d} {label:60s} {us:6.1f} us  errors {errors[0]:.2e} {errors[1]:.1e} "
             f"max {max_error:.2e}", flush=True)
-  gelu_forms.use("tanh")
+  gelu_forms.use("one_exp_rsqrt")
   return rows
 
 
 def _launch_1_variants(text):
-  """`form[:approx]:MxNxK:stages:weight_grad_stages`, e.g. `one_exp:approx:64x64x64:4:4`."""
+  """`form[:exact]:MxNxK:stages:weight_grad_stages`, e.g. `tanh:exact:64x64x64:4:4`.
+
+  `exact` turns `approx_math` off."""
   parts = text.split(":")
-  approx = "approx" in parts
-  parts = [p for p in parts if p != "approx"]
+  approx = "exact" not in parts
+  parts = [p for p in parts if p != "exact"]
   form, tile, stages, weight_grad_stages = (parts + ["128x64x64", "4", "4"][len(parts) - 1:])[:4]
   return (form, approx, tuple(int(d) for d in tile.split("x")), int(stages),
           int(weight_grad_stages))
@@ -404,8 +406,8 @@ def main():
                       choices=["plain", "persistent", "chained", "transposing", "converting",
                                "launch1"])
   parser.add_argument("--launch1-variants", type=_launch_1_variants, nargs="+",
-                      default=[_launch_1_variants("tanh")],
-                      help="form[:approx]:MxNxK:stages:weight_grad_stages, for --kernels launch1")
+                      default=[_launch_1_variants("one_exp_rsqrt")],
+                      help="form[:exact]:MxNxK:stages:weight_grad_stages, for --kernels launch1")
   parser.add_argument("--out", default=os.environ.get("OUT", "."))
   args = parser.parse_args()
   h, i = 1280, 3584

@@ -332,7 +332,7 @@ def test_mosaic_probe_launch_1_times_the_package_kernel():
   """`mosaic_probe --kernels launch1` runs `mosaic_gpu.launch_1` (no copy of it); lowers here."""
   import inspect
 
-  from benchmarks import mosaic_probe
+  from benchmarks import gelu_forms, mosaic_probe
   from vision_mlp_bwd.backends import mosaic_gpu
   assert "mosaic_gpu.launch_1" in inspect.getsource(mosaic_probe.launch_1_probe)
   rows = mosaic_gpu.padded_rows(211)
@@ -340,7 +340,19 @@ def test_mosaic_probe_launch_1_times_the_package_kernel():
            jax.ShapeDtypeStruct((1280, 3584), jnp.float32),
            jax.ShapeDtypeStruct((211, 3584), jnp.float32),
            jax.ShapeDtypeStruct((rows, 3584), jnp.float16)]
-  for stages in ((3, 3), (5, 4)):   # the probe's shallowest and deepest settings
-    fn = functools.partial(mosaic_gpu.launch_1, stages=stages[0], weight_grad_stages=stages[1])
-    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+  variants = [mosaic_probe._launch_1_variants(text)   # some the probe timed (NOTES 24)
+              for text in ("tanh:exact", "one_exp_rsqrt:64x64x64", "tanh:exact:64x128x64:3:4",
+                           "one_exp_rsqrt:128x64x64:5:4")]
+  assert variants[0] == ("tanh", False, (128, 64, 64), 4, 4)
+  assert variants[2] == ("tanh", False, (64, 128, 64), 3, 4)
+  try:
+    for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
+      gelu_forms.use(form)
+      assert mosaic_gpu.gelu_tanh_grad is gelu_forms.FORMS[form]
+      fn = functools.partial(mosaic_gpu.launch_1, stages=stages,
+                             weight_grad_stages=weight_grad_stages, pre_tile=pre_tile,
+                             approx_math=approx_math)
+      text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text
+  finally:
+    gelu_forms.use("one_exp_rsqrt")
