@@ -94,7 +94,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
     def _():
       rows, cols = pl.ds((block % gm) * pm, pm), pl.ds((block // gm) * pn, pn)
 
-      def tile(acc_ref, b16, x_smem, out_smem, x_arrived):
+      def tile(acc_ref, b16, x_smem, x_arrived):
         plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
 
         def step(indices, a_smem, b_smem):
@@ -113,17 +113,20 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
         )(g_gmem.at[rows], w_gmem.at[:, cols])
         plgpu.wgmma_wait(0)
         plgpu.barrier_wait(x_arrived)
-        x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
-        out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
-        plgpu.wait_smem_to_gmem(0)
+
+        def store(out_smem):   # in the pipeline's shared memory, free now
+          x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
+          out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
+          plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)))
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
                     plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
                     plgpu.SMEM((pm, pn), jnp.float32,
                                transforms=_tiles(jnp.float32, rows_per_tile)),
-                    plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)),
                     plgpu.Barrier(num_arrivals=1))
 
     @pl.when(block >= n_pre)
@@ -131,7 +134,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
       job = block - n_pre
       rows, cols = pl.ds((job % (h // wm)) * wm, wm), pl.ds((job // (h // wm)) * wn, wn)
 
-      def tile(acc_ref, out_smem):
+      def tile(acc_ref):
         def step(_, a_smem, b_smem):
           plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
           plgpu.wgmma_wait(1)
@@ -144,13 +147,16 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
                                       delay_release=1)],
         )(g_gmem.at[:, rows], gelu_gmem.at[:, cols])
         plgpu.wgmma_wait(0)
-        out_smem[...] = acc_ref[...]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, weight_grad_gmem.at[rows, cols])
-        plgpu.wait_smem_to_gmem(0)
 
-      pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32),
-                    plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
+        def store(out_smem):   # in the pipeline's shared memory, free now
+          out_smem[...] = acc_ref[...]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(out_smem, weight_grad_gmem.at[rows, cols])
+          plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(store, plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
+
+      pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
 
   return plgpu.kernel(
       kernel, out_type=(out_struct((s, i), dtype, fc1_output),
