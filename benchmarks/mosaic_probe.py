@@ -326,6 +326,7 @@ def launch_1_probe(seq_lens, h, i, variants):
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
     for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
       gelu_forms.use(form)
+      pre_tile, stages = pre_tile or mosaic_gpu.pre_tiling(s)[0], stages or mosaic_gpu.pre_tiling(s)[1]
       label = (f"{form}{'' if approx_math else ' exact'} pre {pre_tile} st{stages}, "
                f"weight grad st{weight_grad_stages}")
       fn = jax.jit(functools.partial(mosaic_gpu.launch_1, stages=stages,
@@ -350,15 +351,16 @@ def launch_1_probe(seq_lens, h, i, variants):
 
 
 def _launch_1_variants(text):
-  """`form[:exact]:MxNxK:stages:weight_grad_stages`, e.g. `tanh:exact:64x64x64:4:4`.
+  """`form[:exact][:MxNxK[:stages[:weight_grad_stages]]]`, e.g. `tanh:exact:256x64x64:3:4`.
 
-  `exact` turns `approx_math` off."""
+  `exact` turns `approx_math` off; a missing tile or depth is `launch_1`'s
+  default (`mosaic_gpu.pre_tiling`)."""
   parts = text.split(":")
   approx = "exact" not in parts
-  parts = [p for p in parts if p != "exact"]
-  form, tile, stages, weight_grad_stages = (parts + ["128x64x64", "4", "4"][len(parts) - 1:])[:4]
-  return (form, approx, tuple(int(d) for d in tile.split("x")), int(stages),
-          int(weight_grad_stages))
+  form, *rest = [p for p in parts if p != "exact"]
+  tile, stages, weight_grad_stages = (rest + [None, None, "4"][len(rest):])[:3]
+  return (form, approx, tile and tuple(int(d) for d in tile.split("x")),
+          stages and int(stages), int(weight_grad_stages))
 
 
 def products(s, h, i):

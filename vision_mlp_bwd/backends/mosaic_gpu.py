@@ -26,7 +26,6 @@ from vision_mlp_bwd.backends.triton.kernels import out_struct
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import gelu_tanh_grad
 
-PRE_TILE = (128, 64, 64)            # pre-GELU gradient: rows, columns, contraction step
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
 ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
 SWIZZLE = 128      # bytes: one swizzled row of a tile
@@ -35,6 +34,17 @@ SWIZZLE = 128      # bytes: one swizzled row of a tile
 def padded_rows(tokens: int) -> int:
   """Rows of the 16-bit `[S, ·]` operands `launch_1` reads (S up to a multiple of 8, zeros)."""
   return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def pre_tiling(tokens: int) -> tuple[tuple[int, int, int], int]:
+  """The pre-GELU gradient's tile (rows, columns, contraction step) and pipeline depth for S.
+
+  Above S=128 one 256-row block of rows reads and converts each fp32 weight
+  tile once where two 128-row blocks did it twice: at S=211 the launch moves
+  ~49 MB through L2 instead of ~67 MB (it is bound by that traffic), 20.7
+  against 23.0 us; S=131 21.1 / 22.2, S=256 21.0 / 23.5 (benchmarks/NOTES.md,
+  24). Four stages of it exceed shared memory."""
+  return ((128, 64, 64), 4) if tokens <= 128 else ((256, 64, 64), 3)
 
 
 def unsupported_reason(problem: Problem, interpret: bool) -> str | None:
@@ -60,14 +70,15 @@ def _tiles(dtype, rows=ROW_MULTIPLE):
           plgpu.SwizzleTransform(SWIZZLE))
 
 
-def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
-             weight_grad_stages=4, pre_tile=PRE_TILE, approx_math=True):
+def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=None,
+             weight_grad_stages=4, pre_tile=None, approx_math=True):
   """`(grad_fc1_output [S, I] 16-bit, grad_fc2_weight [H, I] fp32)` in one Mosaic GPU grid.
 
   `grad_output16 [padded_rows(S), H]` and `gelu_output16 [padded_rows(S), I]`
   are the 16-bit operands with zero rows past S; `fc2_weight [H, I]` and
   `fc1_output [S, I]` are fp32 as the caller has them. Blocks
-  `[0, n_pre)` each compute one tile of the pre-GELU gradient: its fp32
+  `[0, n_pre)` each compute one `pre_tile` of the pre-GELU gradient
+  (`pre_tiling(S)` unless given, with its `stages`): its fp32
   weight tiles are rounded to the operand dtype into two alternating buffers
   that wgmma reads, and the GELU derivative is applied in the epilogue (it
   costs ~2.5 us there at S=211, but was slower computed during the first
@@ -80,7 +91,8 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=4,
   """
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
-  pm, pn, pk = pre_tile
+  pm, pn, pk = pre_tile or pre_tiling(s)[0]
+  stages = stages or pre_tiling(s)[1]
   rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
   wm, wn, wk = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)

@@ -151,9 +151,10 @@ C = Config
 # benchmarks/NOTES.md tells the story. At S=129-144 the 16-bit pre-activation
 # block is 128 rows plus a 16-row tail (51.5 against 52.1 us at F16 S=131,
 # results/tails2_h200.log). Launch 1 as one Mosaic GPU grid (`mosaic_launch_1`)
-# at S=65-144 and 161-224: F16 S=128 38.3 against 43.5 us, 131 50.7 / 51.6,
-# 211 52.2 / 52.8, but 256 54.3 / 53.7 (results/mosaic211_f16_h200.json,
-# benchmarks/NOTES.md, 23). Rows: (largest S or None, Config).
+# from S=65 to 256: F16 S=128 38.3 against 43.5 us, 131 50.7 / 51.6, 211
+# 52.2 / 52.8 (results/mosaic211_f16_h200.json, benchmarks/NOTES.md, 23);
+# S=145-256 since its 256-row pre-activation tiles (NOTES.md, 24).
+# Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
     (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
     (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
@@ -162,11 +163,12 @@ _SIXTEEN_BIT_TABLE = (
             T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,
             fused_casts=True, mosaic_launch_1=True)),                            # S=131
     (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
-            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True)),
+            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True,
+            mosaic_launch_1=True)),
     (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
             fused_casts=True, sum_splits_in_kernel=True, mosaic_launch_1=True)),
     (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
-            cast_inputs=True, fused_casts=True, sum_splits_in_kernel=True)),
+            cast_inputs=True, fused_casts=True, sum_splits_in_kernel=True, mosaic_launch_1=True)),
     (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
              cast_inputs=True, cast_weights=True)),
     (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
