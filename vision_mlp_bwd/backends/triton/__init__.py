@@ -130,12 +130,14 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
-    if mosaic:   # Triton's launch 1 would zero them and sum grad_output's columns
-      jobs += counters + [(_over_columns(grad_output.shape, sums=True), (grad_output,))]
+    if mosaic:   # Triton's launch 1 would sum grad_output's columns (its programs are the
+      # longest here, so they go first) and zero the counters
+      jobs = [(_over_columns(grad_output.shape, sums=True), (grad_output,)), *jobs, *counters]
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
-    acts.update(zip(early, outs))
     if mosaic:
-      *zeroed, (_, (grad_fc2_bias,)) = outs[len(early):]   # the counters, if any; column sums
+      (_, (grad_fc2_bias,)), *outs = outs
+    acts.update(zip(early, outs))
+    zeroed = outs[len(early):]   # the counters, if any
   if config.xla_weight_products:
     grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
                                    problem.mode).astype(pre_dtype)
