@@ -130,12 +130,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
-    if mosaic:   # Triton's launch 1 would sum grad_output's columns (its programs are the
-      # longest here, so they go first) and zero the counters
-      jobs = [(_over_columns(grad_output.shape, sums=True), (grad_output,)), *jobs, *counters]
+    if mosaic:   # Triton's launch 1 would zero them
+      jobs += counters
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
-    if mosaic:
-      (_, (grad_fc2_bias,)), *outs = outs
     acts.update(zip(early, outs))
     zeroed = outs[len(early):]   # the counters, if any
   if config.xla_weight_products:
@@ -162,11 +159,17 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       ], "mlp_backward_1")
       acts.update(zip(late, rest))
       zeroed = rest[len(late):]
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias) = launch([
+    # Triton's launch 1 sums grad_output's columns in grad_fc2_weight's programs;
+    # with the Mosaic one, a job of launch 2 does.
+    fc2_bias_job = [(_over_columns(grad_output.shape, sums=True), (grad_output,))] if mosaic else []
+    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *column_sums = launch([
         by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
                   counters=zeroed[0] if counters else None),
         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
+        *fc2_bias_job,
     ], "mlp_backward_2")
+    if mosaic:
+      grad_fc2_bias = column_sums[0][1][0]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
