@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.timing import device_times_us
+from vision_mlp_bwd.backends import mosaic_gpu
 
 SWIZZLE = 128                 # bytes: one 128-byte row of fp32 is 32 elements
 TILE_K = SWIZZLE // 4
@@ -85,7 +86,7 @@ def k_major_matmul(a, b, *, tile_m, tile_n, stages):
 
   def accumulate(acc_ref, a_gmem, b_gmem, rows, cols):
     def step(_, a_smem, b_smem):
-      plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_smem, (1, 0)))
+      plgpu.wgmma(acc_ref, a_smem, b_smem.transpose((1, 0)))
       plgpu.wgmma_wait(1)
 
     plgpu.emit_pipeline(
@@ -158,7 +159,7 @@ def persistent_k_major_matmul(a, b, *, tile_m, tile_n, stages, split_k=1, num_sm
 
         def step(_, a_smem, b_smem, acc_ref):
           b_half = b_smem.at[pl.ds(wg * tile_n, tile_n)]
-          plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_half, (1, 0)))
+          plgpu.wgmma(acc_ref, a_smem, b_half.transpose((1, 0)))
           plgpu.wgmma_wait(0)
           return acc_ref
 
@@ -194,11 +195,11 @@ def transposing_matmul(a, b, *, tile_m, tile_n, stages):
 
   def accumulate(acc_ref, a_gmem, b_gmem, rows, cols, b_k_major):
     def step(_, a_smem, b_smem):
-      tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
+      tile = mosaic_gpu.load_wgmma(b_smem)
       tile = plgpu.layout_cast(tile, plgpu.Layout.WGMMA_TRANSPOSED)
-      plgpu.transpose_ref(b_k_major, (1, 0))[...] = tile
+      b_k_major.transpose((1, 0))[...] = tile
       plgpu.commit_smem()
-      plgpu.wgmma(acc_ref, a_smem, plgpu.transpose_ref(b_k_major, (1, 0)))
+      plgpu.wgmma(acc_ref, a_smem, b_k_major.transpose((1, 0)))
       plgpu.wgmma_wait(0)
 
     plgpu.emit_pipeline(
@@ -244,7 +245,7 @@ def converting_matmul(a, b, *, tile_m, tile_n, stages, double_buffer):
   def accumulate(acc_ref, a_gmem, b_gmem, rows, cols, b16):
     def step(indices, a_smem, b_smem):
       slot = indices[0] % buffers
-      tile = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA)
+      tile = mosaic_gpu.load_wgmma(b_smem)
       b16.at[slot][...] = tile.astype(jnp.float16)
       plgpu.commit_smem()
       plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
@@ -310,7 +311,6 @@ def launch_1_probe(seq_lens, h, i, variants):
   the Triton launch 1 that `tune --variants default` reports as
   mlp_backward_1."""
   from benchmarks import gelu_forms
-  from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.reference import gelu_tanh_grad
   rows = []
   for s in seq_lens:

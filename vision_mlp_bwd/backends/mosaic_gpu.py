@@ -16,6 +16,8 @@ the padded rows this kernel reads.
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -59,6 +61,15 @@ def unsupported_reason(problem: Problem, interpret: bool) -> str | None:
   if capability is None or not str(capability).startswith("9"):
     return f"wgmma needs a Hopper GPU (compute capability 9.x), not {capability}."
   return None
+
+
+def load_wgmma(ref):
+  """The whole shared-memory `ref` in registers, in wgmma's accumulator layout.
+
+  JAX 0.11 deprecates `plgpu.load`'s index argument, which 0.10 requires."""
+  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
+  return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
 def _tiles(dtype, rows=ROW_MULTIPLE):
@@ -111,7 +122,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
 
         def step(indices, a_smem, b_smem):
           slot = indices[0] % 2
-          b16.at[slot][...] = plgpu.load(b_smem, (), layout=plgpu.Layout.WGMMA).astype(dtype)
+          b16.at[slot][...] = load_wgmma(b_smem).astype(dtype)
           plgpu.commit_smem()
           plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
           plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
@@ -127,7 +138,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
         plgpu.barrier_wait(x_arrived)
 
         def store(out_smem):   # in the pipeline's shared memory, free now
-          x = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)
+          x = load_wgmma(x_smem)
           out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
@@ -148,7 +159,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
 
       def tile(acc_ref):
         def step(_, a_smem, b_smem):
-          plgpu.wgmma(acc_ref, plgpu.transpose_ref(a_smem, (1, 0)), b_smem)
+          plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
           plgpu.wgmma_wait(1)
 
         plgpu.emit_pipeline(
