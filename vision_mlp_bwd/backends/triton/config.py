@@ -274,16 +274,17 @@ def interpret_config(problem: Problem) -> Config:
 # Where the automatic choice takes the Triton kernels over XLA: per DotMode, the
 # S ranges (inclusive; None = no upper end) around the seed cases where they
 # measured at least 8% faster than XLA at the same precision in the same run.
-# S <= 256: benchmarks/results/h200_20261130-010521.md (TF32, F16, HIGHEST;
-# TF32 on f16 tensor cores from S=65; F16 launch 1 on Mosaic GPU) and h200_bf16_20261129-195442.md and
-# -223832.md, with the earlier runs of tests/test_routing.py agreeing; above:
+# S <= 256: benchmarks/results/h200_20261130-022805.md (TF32, F16, HIGHEST;
+# TF32 on f16 tensor cores from S=65; F16 launch 1 on Mosaic GPU, 256-row
+# tiles above S=128) and h200_bf16_20261129-195442.md and -223832.md, with
+# the earlier runs of tests/test_routing.py agreeing; above:
 # h200_20261129-154647.md.
 # Ties (within the ~5% run-to-run spread) go to XLA; so do modes not listed.
 TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
-    DotMode.TF32: ((1, 256),),                 # 1.36-1.39x at every seed S <= 256
-    DotMode.F16: ((1, 256),),                  # 1.31-1.48x at every seed S <= 256
+    DotMode.TF32: ((1, 256),),                 # 1.32-1.42x at every seed S <= 256
+    DotMode.F16: ((1, 256),),                  # 1.36-1.51x at every seed S <= 256
     DotMode.BF16: ((1, 256),),                 # 1.27-1.43x at every seed S <= 256
-    DotMode.HIGHEST: ((1, 64), (289, None)),   # 1.08x; 1.12x at 293, 1.5-1.8x above
+    DotMode.HIGHEST: ((1, 64), (289, None)),   # 1.07-1.08x; 1.12x at 293, 1.5-1.8x above
 }
 
 
