@@ -356,3 +356,22 @@ def test_mosaic_probe_launch_1_times_the_package_kernel():
       assert "mosaic_gpu" in text
   finally:
     gelu_forms.use("one_exp_rsqrt")
+
+
+def test_mosaic_probe_launch_2_prototype_lowers_for_cuda():
+  """The probe's Mosaic launch 2 (benchmarks/mosaic_probe.py) lowers at a ragged S, for each
+  split and tile it times, and refuses a split that does not divide I in whole steps."""
+  from benchmarks.mosaic_probe import launch_2_prototype
+  from vision_mlp_bwd.backends import mosaic_gpu
+  rows = mosaic_gpu.padded_rows(211)
+  specs = [jax.ShapeDtypeStruct((rows, 3584), jnp.float16),
+           jax.ShapeDtypeStruct((3584, 1280), jnp.float32),
+           jax.ShapeDtypeStruct((rows, 1280), jnp.float16)]
+  for split_k, tile_rows in ((4, 256), (7, 128)):
+    fn = functools.partial(launch_2_prototype, split_k=split_k, tile=(tile_rows, 64, 64),
+                           stages=3 if tile_rows == 256 else 4)
+    text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+    partial_rows = split_k * -(-rows // tile_rows) * tile_rows   # whole tiles of rows per split
+    assert "mosaic_gpu" in text and f"tensor<{partial_rows}x1280xf32>" in text
+  with pytest.raises(AssertionError):
+    jax.jit(functools.partial(launch_2_prototype, split_k=5)).trace(*specs)

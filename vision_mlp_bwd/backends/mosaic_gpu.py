@@ -72,13 +72,73 @@ def load_wgmma(ref):
   return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
 
-def _tiles(dtype, rows=ROW_MULTIPLE):
+def swizzled_tiles(dtype, rows=ROW_MULTIPLE):
   """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
   is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
   return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
           plgpu.SwizzleTransform(SWIZZLE))
+
+
+def write_tile(value, out_gmem, rows_per_tile=ROW_MULTIPLE):
+  """Stores a register tile to `out_gmem` through shared memory, allocated where a finished
+  pipeline's buffers were."""
+  def store(out_smem):
+    out_smem[...] = value
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_smem, out_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(store, plgpu.SMEM(value.shape, value.dtype,
+                                  transforms=swizzled_tiles(value.dtype, rows_per_tile)))
+
+
+def converted_weight_product(acc_ref, b16, x_gmem, w_gmem, stages):
+  """`acc_ref += x_gmem @ w_gmem`: 16-bit `x [M, K]` tiles, fp32 `w [K, N]` tiles rounded to
+  x's dtype into the two alternating buffers `b16 [2, step, N]`, so one wgmma group stays in
+  flight while the next tile converts."""
+  (m, k), (_, step_k, n), dtype = x_gmem.shape, b16.shape, x_gmem.dtype
+
+  def step(indices, a_smem, b_smem):
+    slot = indices[0] % 2
+    b16.at[slot][...] = load_wgmma(b_smem).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
+    plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
+
+  plgpu.emit_pipeline(
+      step, grid=(pl.cdiv(k, step_k),), max_concurrent_steps=stages,
+      in_specs=[plgpu.BlockSpec((m, step_k), lambda j: (0, j),
+                                transforms=swizzled_tiles(dtype), delay_release=1),
+                plgpu.BlockSpec((step_k, n), lambda j: (j, 0),
+                                transforms=swizzled_tiles(jnp.float32))],
+  )(x_gmem, w_gmem)
+  plgpu.wgmma_wait(0)
+
+
+def weight_grad_tile(g_gmem, z_gmem, out_gmem, stages):
+  """`out_gmem [M, N] = g_gmem[S, M].T @ z_gmem[S, N]` in fp32, 16-bit operands, over S in
+  steps of `WEIGHT_GRAD_TILE[2]`."""
+  (s, m), n, step_k = g_gmem.shape, z_gmem.shape[1], WEIGHT_GRAD_TILE[2]
+  dtype = g_gmem.dtype
+
+  def tile(acc_ref):
+    def step(_, a_smem, b_smem):
+      plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
+      plgpu.wgmma_wait(1)
+
+    plgpu.emit_pipeline(
+        step, grid=(pl.cdiv(s, step_k),), max_concurrent_steps=stages,
+        in_specs=[plgpu.BlockSpec((step_k, m), lambda j: (j, 0), transforms=swizzled_tiles(dtype),
+                                  delay_release=1),
+                  plgpu.BlockSpec((step_k, n), lambda j: (j, 0), transforms=swizzled_tiles(dtype),
+                                  delay_release=1)],
+    )(g_gmem, z_gmem)
+    plgpu.wgmma_wait(0)
+    write_tile(acc_ref[...], out_gmem)
+
+  pl.run_scoped(tile, plgpu.ACC((m, n), jnp.float32))
 
 
 def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=None,
@@ -105,7 +165,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
   pm, pn, pk = pre_tile or pre_tiling(s)[0]
   stages = stages or pre_tiling(s)[1]
   rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
-  wm, wn, wk = WEIGHT_GRAD_TILE
+  wm, wn, _ = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)
   n_weight_grad = (h // wm) * (i // wn)
@@ -119,67 +179,23 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
 
       def tile(acc_ref, b16, x_smem, x_arrived):
         plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
-
-        def step(indices, a_smem, b_smem):
-          slot = indices[0] % 2
-          b16.at[slot][...] = load_wgmma(b_smem).astype(dtype)
-          plgpu.commit_smem()
-          plgpu.wgmma(acc_ref, a_smem, b16.at[slot])
-          plgpu.wgmma_wait(1)   # the previous step's MMAs: their buffer is converted into next
-
-        plgpu.emit_pipeline(
-            step, grid=(pl.cdiv(h, pk),), max_concurrent_steps=stages,
-            in_specs=[plgpu.BlockSpec((pm, pk), lambda k: (0, k), transforms=_tiles(dtype),
-                                      delay_release=1),
-                      plgpu.BlockSpec((pk, pn), lambda k: (k, 0),
-                                      transforms=_tiles(jnp.float32))],
-        )(g_gmem.at[rows], w_gmem.at[:, cols])
-        plgpu.wgmma_wait(0)
+        converted_weight_product(acc_ref, b16, g_gmem.at[rows], w_gmem.at[:, cols], stages)
         plgpu.barrier_wait(x_arrived)
-
-        def store(out_smem):   # in the pipeline's shared memory, free now
-          x = load_wgmma(x_smem)
-          out_smem[...] = (acc_ref[...] * gelu_tanh_grad(x)).astype(dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem, pre_gmem.at[rows, cols])
-          plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(store, plgpu.SMEM((pm, pn), dtype, transforms=_tiles(dtype, rows_per_tile)))
+        write_tile((acc_ref[...] * gelu_tanh_grad(load_wgmma(x_smem))).astype(dtype),
+               pre_gmem.at[rows, cols], rows_per_tile)
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
-                    plgpu.SMEM((2, pk, pn), dtype, transforms=_tiles(dtype)),
+                    plgpu.SMEM((2, pk, pn), dtype, transforms=swizzled_tiles(dtype)),
                     plgpu.SMEM((pm, pn), jnp.float32,
-                               transforms=_tiles(jnp.float32, rows_per_tile)),
+                               transforms=swizzled_tiles(jnp.float32, rows_per_tile)),
                     plgpu.Barrier(num_arrivals=1))
 
     @pl.when(block >= n_pre)
     def _():
       job = block - n_pre
       rows, cols = pl.ds((job % (h // wm)) * wm, wm), pl.ds((job // (h // wm)) * wn, wn)
-
-      def tile(acc_ref):
-        def step(_, a_smem, b_smem):
-          plgpu.wgmma(acc_ref, a_smem.transpose((1, 0)), b_smem)
-          plgpu.wgmma_wait(1)
-
-        plgpu.emit_pipeline(
-            step, grid=(pl.cdiv(s, wk),), max_concurrent_steps=weight_grad_stages,
-            in_specs=[plgpu.BlockSpec((wk, wm), lambda k: (k, 0), transforms=_tiles(dtype),
-                                      delay_release=1),
-                      plgpu.BlockSpec((wk, wn), lambda k: (k, 0), transforms=_tiles(dtype),
-                                      delay_release=1)],
-        )(g_gmem.at[:, rows], gelu_gmem.at[:, cols])
-        plgpu.wgmma_wait(0)
-
-        def store(out_smem):   # in the pipeline's shared memory, free now
-          out_smem[...] = acc_ref[...]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(out_smem, weight_grad_gmem.at[rows, cols])
-          plgpu.wait_smem_to_gmem(0)
-
-        pl.run_scoped(store, plgpu.SMEM((wm, wn), jnp.float32, transforms=_tiles(jnp.float32)))
-
-      pl.run_scoped(tile, plgpu.ACC((wm, wn), jnp.float32))
+      weight_grad_tile(g_gmem.at[:, rows], gelu_gmem.at[:, cols],
+                        weight_grad_gmem.at[rows, cols], weight_grad_stages)
 
   return plgpu.kernel(
       kernel, out_type=(out_struct((s, i), dtype, fc1_output),
