@@ -11,7 +11,10 @@ pipelines.
 grad_output.T @ gelu_output` as one grid, as the Triton launch runs them. The
 Triton backend runs it where its Config says (`Config.mosaic_launch_1`) and
 `unsupported_reason` allows; its casts launch writes the 16-bit operands with
-the padded rows this kernel reads.
+the padded rows this kernel reads. Its tiles are built from
+`converted_weight_product` (x @ fp32 weight), `weight_grad_tile` (g.T @ z
+over S) and `write_tile`, which a launch 2 can share (a prototype:
+benchmarks/mosaic_probe.py).
 """
 
 from __future__ import annotations
