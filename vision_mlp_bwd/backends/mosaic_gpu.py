@@ -154,9 +154,9 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
   `[0, n_pre)` each compute one `pre_tile` of the pre-GELU gradient
   (`pre_tiling(S)` unless given, with its `stages`): its fp32
   weight tiles are rounded to the operand dtype into two alternating buffers
-  that wgmma reads, and the GELU derivative is applied in the epilogue (it
-  costs ~2.5 us there at S=211, but was slower computed during the first
-  steps or by the casts launch; benchmarks/NOTES.md, 23). The
+  that wgmma reads, and the GELU derivative is applied in the epilogue (its
+  tanh form cost ~2.5 us there at S=211, but was slower computed during the
+  first steps or by the casts launch; benchmarks/NOTES.md, 23). The
   other blocks each compute one tile of `grad_fc2_weight`. Reads past the
   last row are zeros and writes there are dropped (TMA). `approx_math` lets
   the GELU derivative's exp and rsqrt use the hardware's `ex2.approx` and
@@ -185,7 +185,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
         converted_weight_product(acc_ref, b16, g_gmem.at[rows], w_gmem.at[:, cols], stages)
         plgpu.barrier_wait(x_arrived)
         write_tile((acc_ref[...] * gelu_tanh_grad(load_wgmma(x_smem))).astype(dtype),
-               pre_gmem.at[rows, cols], rows_per_tile)
+                   pre_gmem.at[rows, cols], rows_per_tile)
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),
                     plgpu.SMEM((2, pk, pn), dtype, transforms=swizzled_tiles(dtype)),
@@ -198,7 +198,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
       job = block - n_pre
       rows, cols = pl.ds((job % (h // wm)) * wm, wm), pl.ds((job // (h // wm)) * wn, wn)
       weight_grad_tile(g_gmem.at[:, rows], gelu_gmem.at[:, cols],
-                        weight_grad_gmem.at[rows, cols], weight_grad_stages)
+                       weight_grad_gmem.at[rows, cols], weight_grad_stages)
 
   return plgpu.kernel(
       kernel, out_type=(out_struct((s, i), dtype, fc1_output),
