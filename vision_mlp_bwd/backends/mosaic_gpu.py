@@ -66,11 +66,14 @@ def unsupported_reason(problem: Problem, interpret: bool) -> str | None:
   return None
 
 
-def load_wgmma(ref):
-  """The whole shared-memory `ref` in registers, in wgmma's accumulator layout.
+# JAX 0.11 deprecates `plgpu.load`'s index argument, which 0.10 requires.
+_LOAD_NEEDS_INDEX = (inspect.signature(plgpu.load).parameters["idx"].default
+                     is inspect.Parameter.empty)
 
-  JAX 0.11 deprecates `plgpu.load`'s index argument, which 0.10 requires."""
-  if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+
+def load_wgmma(ref):
+  """The whole shared-memory `ref` in registers, in wgmma's accumulator layout."""
+  if _LOAD_NEEDS_INDEX:
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
   return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
 
@@ -165,8 +168,9 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
   """
   (s, i), h = fc1_output.shape, fc2_weight.shape[0]
   dtype = grad_output16.dtype
-  pm, pn, pk = pre_tile or pre_tiling(s)[0]
-  stages = stages or pre_tiling(s)[1]
+  default_tile, default_stages = pre_tiling(s)
+  pm, pn, pk = pre_tile or default_tile
+  stages = stages or default_stages
   rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
   wm, wn, _ = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)

@@ -168,8 +168,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
         *fc2_bias_job,
     ], "mlp_backward_2")
-    if mosaic:
-      grad_fc2_bias = column_sums[0][1][0]
+    if mosaic:   # the Scales job's (column maxima, column sums [1, H])
+      _, (grad_fc2_bias,) = column_sums[0]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 

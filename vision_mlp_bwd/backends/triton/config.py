@@ -114,10 +114,11 @@ class Config:
   # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
   # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
   # tiles double-buffered, TMA-fed) instead of Triton's; the casts launch then
-  # also casts hidden_state and sums grad_output's columns (the fc2 bias
-  # gradient). Elsewhere (other GPUs, interpret mode, H or I not multiples of
-  # 128, other flags: `launch_1_on_mosaic`) launch 1 stays Triton's. Measured on the H200 at S=211: launch 1
-  # 21.8 against 24.4 us (benchmarks/NOTES.md, 23).
+  # also casts hidden_state and zeroes the counters, and launch 2 sums
+  # grad_output's columns (the fc2 bias gradient). Elsewhere (other GPUs,
+  # interpret mode, H or I not multiples of 128, other flags:
+  # `launch_1_on_mosaic`) launch 1 stays Triton's. Measured on the H200 at
+  # S=211: launch 1 20.7 against 24.4 us (benchmarks/NOTES.md, 23-24).
   mosaic_launch_1: bool = False
 
   @property
