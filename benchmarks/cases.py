@@ -1,23 +1,28 @@
 """SOL-ExecBench problem 022 as data: its 16 cases, the sizes we sweep, how inputs are drawn.
 
-Mirrors `sol_execbench_022.json` (the contract) so the benchmark and the tests
-need no file outside the repository.
+The cases, sizes and tolerances are read from the public contract, vendored
+as `benchmarks/contract/sol_execbench_022.json`; the benchmark and the tests
+take them from here.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-HIDDEN, INTERMEDIATE = 1280, 3584
+CONTRACT_PATH = pathlib.Path(__file__).parent / "contract" / "sol_execbench_022.json"
+CONTRACT = json.loads(CONTRACT_PATH.read_text())
+
+HIDDEN = CONTRACT["semantics"]["hidden_size"]
+INTERMEDIATE = CONTRACT["semantics"]["intermediate_size"]
 
 # (seq_len, atol) of the 16 benchmark cases.
-CASES = ((64, 0.021), (128, 0.025), (131, 0.025), (211, 0.031), (256, 0.034), (293, 0.036),
-         (449, 0.043), (512, 0.046), (768, 0.056), (773, 0.055), (997, 0.063), (1163, 0.066),
-         (1423, 0.077), (1973, 0.092), (2048, 0.086), (4096, 0.13))
+CASES = tuple((c["seq_len"], c["atol"]) for c in CONTRACT["cases"])
 SEQ_LENS = tuple(s for s, _ in CASES)
 
 # (H, I) pairs of vision towers the sweep may cover; the first is the contract's.
