@@ -3,16 +3,16 @@
 `use(form)` puts one in place of the shared derivative
 (`reference.gelu_tanh_grad`) in the Triton and Mosaic GPU kernels (for `tune`
 and `mosaic_probe`), so the same kernels run with only the elementwise
-epilogue changed. "tanh" is the contract's formula as written, which the
-package used until the one-exp form ("one_exp_rsqrt", the package's now)
-measured faster in the Mosaic launch 1 (benchmarks/NOTES.md, 24). A third
-form, r as the division 1 / (1 + exp(-2u)), timed as the tanh form did
-(commit 7acd28c).
+epilogue changed. "tanh" is the contract's formula as written;
+"one_exp_rsqrt" the package's form until 2026-12 (r = rsqrt(1 + exp(-2u))^2,
+r (1 - r) formed by cancellation: fp32 error up to 5.4e-6 on some CPUs);
+"no_cancellation" the package's form now (benchmarks/NOTES.md, 25).
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.reference import GELU_CUBIC, SQRT_2_OVER_PI
@@ -25,7 +25,17 @@ def contract_tanh_form(x):
   return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x2)
 
 
-FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": reference.gelu_tanh_grad}
+def one_exp_rsqrt_form(x):
+  """r + r (1 - r) u'(x) with r = rsqrt(1 + exp(-2u))^2 (the package's form until 2026-12)."""
+  x2 = x * x
+  e = jnp.exp(x * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
+  r = jnp.square(lax.rsqrt(1.0 + e))
+  slope = x * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x2)
+  return r + r * (slope * (1.0 - r))
+
+
+FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
+         "no_cancellation": reference.gelu_tanh_grad}
 
 
 def use(form: str) -> None:
@@ -33,3 +43,67 @@ def use(form: str) -> None:
   from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.backends.triton import kernels
   kernels.gelu_tanh_grad = mosaic_gpu.gelu_tanh_grad = FORMS[form]
+
+
+def kernel_errors(n_rows: int = 8192):
+  """Max |error| against float64 of each form on [-12, 12], computed by XLA, a Triton
+  kernel and a Mosaic GPU kernel (approx_math on and off), on the GPU.
+
+  The kernels load fp32 tiles as the backward's epilogues do (Mosaic: swizzled
+  tiles in wgmma's register layout, `mosaic_gpu.load_wgmma`) and apply the form.
+  """
+  import numpy as np
+  import jax
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax.experimental.pallas import triton as pl_triton
+
+  from vision_mlp_bwd.backends import mosaic_gpu
+
+  x = np.linspace(-12, 12, n_rows * 128, dtype=np.float32).reshape(n_rows, 128)
+  with jax.enable_x64():
+    exact = np.asarray(contract_tanh_form(jnp.asarray(x, jnp.float64)))
+  rows = []
+  for name, form in FORMS.items():
+    def triton(x_ref, o_ref, form=form):
+      o_ref[...] = form(x_ref[...])
+
+    def mosaic(x_gmem, o_gmem, form=form):
+      block = pl.ds(jax.lax.axis_index("block") * 128, 128)
+
+      def tile(x_smem, arrived):
+        plgpu.copy_gmem_to_smem(x_gmem.at[block], x_smem, arrived)
+        plgpu.barrier_wait(arrived)
+        mosaic_gpu.write_tile(form(mosaic_gpu.load_wgmma(x_smem)), o_gmem.at[block])
+
+      pl.run_scoped(tile, plgpu.SMEM((128, 128), jnp.float32,
+                                     transforms=mosaic_gpu.swizzled_tiles(jnp.float32)),
+                    plgpu.Barrier(num_arrivals=1))
+
+    out = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    runs = {"xla": jax.jit(form),
+            "triton": pl.pallas_call(triton, out_shape=out, grid=(n_rows // 64,),
+                                     in_specs=[pl.BlockSpec((64, 128), lambda i: (i, 0))],
+                                     out_specs=pl.BlockSpec((64, 128), lambda i: (i, 0)),
+                                     compiler_params=pl_triton.CompilerParams(num_warps=4))}
+    for approx in (True, False):
+      runs[f"mosaic{'_approx' if approx else ''}"] = plgpu.kernel(
+          mosaic, out_type=out, grid=(n_rows // 128,), grid_names=("block",),
+          compiler_params=plgpu.CompilerParams(approx_math=approx))
+    for backend, fn in runs.items():
+      error = np.abs(np.asarray(fn(jnp.asarray(x)), np.float64) - exact)
+      worst = int(error.argmax())
+      rows.append(dict(form=name, backend=backend, max_abs_error=float(error.max()),
+                       at=float(x.flat[worst])))
+      print(f"{name:16s} {backend:14s} max |error| {error.max():.2e} at x = {x.flat[worst]:+.4f}",
+            flush=True)
+  return rows
+
+
+if __name__ == "__main__":
+  import json
+  import sys
+  results = kernel_errors()
+  if len(sys.argv) > 1:
+    with open(sys.argv[1], "w") as f:
+      json.dump(results, f, indent=1)

@@ -8,9 +8,8 @@ Layouts follow torch `nn.Linear` (and the SOL-ExecBench contract): weights are
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
-from vision_mlp_bwd.precision import DotMode, canonicalize, xla_dot_general
+from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs, xla_dot_general
 
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
@@ -27,30 +26,37 @@ def gelu_tanh(x):
 
 
 def gelu_tanh_grad(x):
-  """d gelu_tanh(x) / dx: the contract's derivative, rewritten with one exp and no tanh.
+  """d gelu_tanh(x) / dx: the contract's derivative, rewritten with one exp and no cancellation.
 
-  With u = sqrt(2/pi) (x + 0.044715 x^3) and t = tanh(u), the contract's
-  0.5 (1 + t) + 0.5 x (1 - t^2) sqrt(2/pi) (1 + 3 * 0.044715 x^2) is exactly
-  r + r (1 - r) * 2 sqrt(2/pi) x (1 + 3 * 0.044715 x^2), where
-  r = (1 + t) / 2 = 1 / (1 + exp(-2u)). r is taken as rsqrt(1 + exp(-2u))^2:
-  Mosaic GPU then uses the hardware's exp2 and rsqrt (`approx_math`) where a
-  division would be IEEE's, and rsqrt(inf) = 0 keeps the x -> -inf limit. In
-  fp32 it is within 2.0e-6 of the float64 value, where the tanh form is within
-  3.5e-6 (benchmarks/NOTES.md, 24). Shared by the reference and every kernel
-  (it is plain `jnp`, so it traces inside Pallas too); computed in the dtype of
-  `x`, and kernels pass fp32.
+  With u = sqrt(2/pi) (x + 0.044715 x^3), t = exp(-2|u|) <= 1 and p = 1 / (1 + t),
+  the contract's 0.5 (1 + tanh u) + 0.5 x (1 - tanh(u)^2) u'(x) is exactly
+  r + q x * 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2), where r = (1 + tanh u) / 2 is p
+  for u >= 0 and t p for u < 0, and q = r (1 - r) = t p^2. No term is formed
+  by subtracting nearly equal numbers (`1 - r` was, for x >~ 3), and t <= 1
+  cannot overflow. In fp32 it is within 5e-7 of the float64 value on
+  [-12, 12] whichever exp XLA's CPU backend picks (tests/test_gelu.py). The
+  products are ordered as the contract's, so it overflows to NaN where that
+  formula does (|x| > ~1.8e19, x = +-inf) and keeps the limits 0 and 1
+  elsewhere. Shared by the reference and every kernel (plain `jnp`, so it
+  traces inside Pallas too); computed in the dtype of `x`, and kernels pass
+  fp32.
   """
   x2 = x * x
-  e = jnp.exp(x * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
-  r = jnp.square(lax.rsqrt(1.0 + e))
-  slope = x * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x2)
-  return r + r * (slope * (1.0 - r))
+  t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
+  p = 1.0 / (1.0 + t)
+  r = jnp.where(x >= 0, p, t * p)
+  q = t * p * p
+  return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
 
 
 def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):
-  """Returns `(output, fc1_output, gelu_output)` for `hidden_state` of shape `[S, H]`."""
-  mode = canonicalize(precision)
+  """Returns `(output, fc1_output, gelu_output)` for `hidden_state` of shape `[S, H]`.
+
+  Each product runs as `precision` means to `jnp.matmul` on these inputs
+  (`precision.for_inputs`); the activations are stored in the input dtype.
+  """
   dtype = hidden_state.dtype
+  mode = for_inputs(canonicalize(precision), dtype)
   fc1_output = (xla_dot_general(hidden_state, fc1_weight, _ROWS_TIMES_WEIGHT_T, mode)
                 + fc1_bias.astype(jnp.float32)).astype(dtype)
   gelu_output = gelu_tanh(fc1_output.astype(jnp.float32)).astype(dtype)
@@ -78,8 +84,9 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   grad_fc2_bias)`, each in the dtype of the input it is the gradient of.
   Accumulation is fp32; `precision` says how each product is computed.
   """
-  # The biases are not read, only their dtypes.
-  mode: DotMode = canonicalize(precision)
+  # The biases are not read, only their dtypes. On 16-bit inputs the products
+  # read the pre-GELU gradient rounded to that dtype (`precision.for_inputs`).
+  mode: DotMode = for_inputs(canonicalize(precision), hidden_state.dtype)
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode)
   grad_fc1_output = pre_activation_grad(grad_output, fc2_weight, fc1_output, mode)
