@@ -85,6 +85,26 @@ def canonicalize(precision) -> DotMode:
   raise ValueError(f"precision={precision!r} is not supported; expected one of {SUPPORTED}.")
 
 
+_SIXTEEN_BIT_MODE = {jnp.dtype(jnp.float16): DotMode.F16, jnp.dtype(jnp.bfloat16): DotMode.BF16}
+
+
+def for_inputs(mode: DotMode, dtype) -> DotMode:
+  """The mode that runs on inputs of `dtype`: what `jnp.matmul` does with `precision`.
+
+  On 16-bit inputs every 32-bit mode (TF32, HIGHEST, F32, BF16X3) multiplies
+  the 16-bit values as they are, with fp32 accumulation, as `jnp.matmul` does
+  (their products are exact in fp32, so these modes agree), and the pre-GELU
+  gradient is rounded to the input dtype before the products that read it, as
+  in jnp's autodiff: the input dtype's own 16-bit mode. The 16-bit presets keep
+  their operand dtype (bf16 inputs under F16_F16_F32 are cast to f16), and
+  fp32 inputs keep every mode.
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype in _SIXTEEN_BIT_MODE and mode.operand_dtype is None:
+    return _SIXTEEN_BIT_MODE[dtype]
+  return mode
+
+
 def jnp_precision(mode: DotMode):
   """The `precision=` argument that makes XLA compute a dot the way `mode` says."""
   return {

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.precision import DotMode, for_inputs
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -25,7 +25,7 @@ class Problem:
   hidden: int          # H
   intermediate: int    # I
   dtype: jnp.dtype
-  mode: DotMode
+  mode: DotMode        # as it runs on `dtype` (`precision.for_inputs`)
 
 
 def _describe(x) -> str:
@@ -85,7 +85,7 @@ def check_forward_args(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                          ("fc1_bias", fc1_bias), ("fc2_weight", fc2_weight),
                          ("fc2_bias", fc2_bias)])
   tokens = int(np.prod(hidden_state.shape[:-1], dtype=np.int64))
-  return Problem(tokens, hidden, intermediate, dtype, mode)
+  return Problem(tokens, hidden, intermediate, dtype, for_inputs(mode, dtype))
 
 
 def check_backward_args(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,

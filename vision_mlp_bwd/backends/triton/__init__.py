@@ -82,7 +82,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
             and not in_shard_map(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                                  gelu_output))
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
-  if operand_dtype is not None and config.cast_inputs:
+  # 16-bit inputs in the operand dtype are read as they are: nothing to cast.
+  if operand_dtype is not None and config.cast_inputs and problem.dtype != operand_dtype:
     if not config.fused_casts:
       acts = {name: x.astype(operand_dtype) for name, x in acts.items()}
     elif config.xla_weight_products or mosaic:   # no Triton launch 1 to cast hidden_state
