@@ -1,0 +1,82 @@
+"""`python -m benchmarks.input_dtypes`: `mlp_backward` on 16-bit inputs against fp32 inputs.
+
+On bf16 and f16 inputs the default precision multiplies the 16-bit values as
+they are (`precision.for_inputs`), which is what F16_F16_F32 does to fp32
+inputs after casting them. So for each seed S this times, with CUPTI and a
+cold L2 (`benchmarks/timing.py`): the Triton kernels and XLA on fp32 inputs
+under F16_F16_F32, and the Triton kernels, XLA and the automatic choice on
+bf16 and f16 inputs at the default precision. Writes
+`input_dtypes_<device>_<date>.{json,md}` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+import vision_mlp_bwd
+from benchmarks import cases, timing
+
+F16 = lax.DotAlgorithmPreset.F16_F16_F32
+# (label, input dtype, precision, implementation)
+COLUMNS = (("fp32 in, F16, triton", jnp.float32, F16, "triton"),
+           ("fp32 in, F16, xla", jnp.float32, F16, "xla"),
+           ("bf16 in, triton", jnp.bfloat16, None, "triton"),
+           ("bf16 in, xla", jnp.bfloat16, None, "xla"),
+           ("bf16 in, auto", jnp.bfloat16, None, None),
+           ("f16 in, triton", jnp.float16, None, "triton"),
+           ("f16 in, xla", jnp.float16, None, "xla"),
+           ("f16 in, auto", jnp.float16, None, None))
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.input_dtypes", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=list(cases.SEQ_LENS))
+  parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "input_dtypes"))
+  args = parser.parse_args(argv)
+  on_gpu = jax.default_backend() == "gpu"
+  hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
+  rows = []
+  for s in args.seq_lens:
+    inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)
+    row = dict(seq_len=s)
+    for label, dtype, precision, implementation in COLUMNS:
+      fn = jax.jit(lambda *a, p=precision, i=implementation: vision_mlp_bwd.mlp_backward(
+          *a, precision=p, implementation=i))
+      args_ = tuple(x.astype(dtype) for x in inputs)
+      if on_gpu:
+        row[label] = timing.device_times_us(fn, *args_, warmup=5,
+                                            iterations=args.iterations).median_us
+      else:
+        row[label] = timing.wall_times_us(fn, *args_, warmup=1, iterations=2).median_us
+    rows.append(row)
+    print(f"S={s:5d} " + "  ".join(f"{label} {row[label]:7.1f}" for label, *_ in COLUMNS),
+          flush=True)
+  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
+  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, f"input_dtypes_{device}_{date}")
+  labels = [label for label, *_ in COLUMNS]
+  md = [f"# mlp_backward by input dtype ({jax.devices()[0].device_kind}, {date}, "
+        f"jax {jax.__version__}, H={hidden}, I={intermediate}; µs, CUPTI, cold L2, median)", "",
+        "| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+  md += [f"| {r['seq_len']} | " + " | ".join(f"{r[label]:.1f}" for label in labels) + " |"
+         for r in rows]
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
+                   commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(md) + "\n")
+  print("\n".join(md))
+
+
+if __name__ == "__main__":
+  main()
