@@ -1,0 +1,124 @@
+"""`python -m benchmarks.engine`: the Mosaic GEMM engine against cuBLAS on the backward's products.
+
+For each S and each of the four products of the backward (f16 operands
+already in HBM, in the layouts the backward has them, fp32 output), this
+times cuBLAS (an XLA `dot_general`, which reads transposed operands in place)
+and the engine (`vision_mlp_bwd.backends.mosaic.engine.matmul`) over a few
+configurations, in the same run: CUPTI device time, L2 flushed before every
+call, median (`benchmarks/timing.py`). Each engine result is checked first
+against the componentwise bound |C - C_ref| <= 2 γ_K (|A| |B|) of two fp32
+accumulations of the same exact products. Writes `engine_<device>_<date>.{json,md}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from benchmarks import cases, timing
+from vision_mlp_bwd.backends.mosaic import engine
+
+C = engine.GemmConfig
+# name -> (M, K, N as functions of S, H, I; A transposed?)
+PRODUCTS = {
+    "grad_output @ fc2_weight": (lambda s, h, i: (s, h, i), False),
+    "grad_output.T @ gelu_output": (lambda s, h, i: (h, s, i), True),
+    "grad_pre @ fc1_weight": (lambda s, h, i: (s, i, h), False),
+    "grad_pre.T @ hidden_state": (lambda s, h, i: (i, s, h), True),
+}
+CONFIGS = {
+    "128x256 k64 st3 w8": C(stages=3),
+    "128x256 k64 st3 w8 minor-m": C(stages=3, grid_minor="m"),
+    "128x256 k64 st3 w16": C(stages=3, grid_tile_width=16),
+    "256x128 k64 st3 w8": C(stages=3, split="m"),
+    "128x128 k64 st4 w8": C(tile_n=64, stages=4),
+    "128x128 k64 st5 w8": C(tile_n=64, stages=5),
+    "64x256 k64 st5 w8": C(tile_m=64, stages=5),
+}
+
+
+def _unit_roundoff_fp32():
+  return 2.0 ** -24
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.engine", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+  parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+  parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "engine"))
+  args = parser.parse_args(argv)
+  h, i = cases.HIDDEN, cases.INTERMEDIATE
+  rows = []
+  for s in args.seq_lens:
+    for name, (shape, transpose_a) in PRODUCTS.items():
+      m, k, n = shape(s, h, i)
+      ka, kb = jax.random.split(jax.random.key(s * 7 + len(rows)))
+      a = jax.random.normal(ka, (k, m) if transpose_a else (m, k), jnp.float16)
+      b = jax.random.normal(kb, (k, n), jnp.float16)
+      dims = (((0,), (0,)), ((), ())) if transpose_a else (((1,), (0,)), ((), ()))
+      cublas = jax.jit(lambda a, b, dims=dims: lax.dot_general(
+          a, b, dims, preferred_element_type=jnp.float32))
+      ref = cublas(a, b)
+      magnitude = lax.dot_general(jnp.abs(a).astype(jnp.float32), jnp.abs(b).astype(jnp.float32),
+                                  dims, precision=lax.Precision.HIGHEST)
+      gamma = k * _unit_roundoff_fp32() / (1 - k * _unit_roundoff_fp32())
+      flops = 2 * m * n * k
+      us = timing.device_times_us(cublas, a, b, iterations=args.iterations).median_us
+      row = dict(seq_len=s, product=name, m=m, k=k, n=n, cublas_us=us,
+                 cublas_tflops=flops / us / 1e6, engine={})
+      print(f"S={s:6d} {name:30s} cuBLAS {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
+      for label in args.configs:
+        config = CONFIGS[label]
+        if transpose_a and config.split == "m":
+          continue
+        fn = jax.jit(functools.partial(engine.matmul, transpose_a=transpose_a, config=config))
+        try:
+          out = fn(a, b)
+          excess = float(jnp.max(jnp.abs(out - ref) - 2 * gamma * magnitude))
+          if not excess <= 0:
+            print(f"    {label:28s} WRONG: exceeds the bound by {excess:.3e}", flush=True)
+            row["engine"][label] = dict(error="exceeds bound")
+            continue
+          us = timing.device_times_us(fn, a, b, iterations=args.iterations).median_us
+        except Exception as e:  # noqa: BLE001 - a config that does not fit: report, go on
+          print(f"    {label:28s} {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+          row["engine"][label] = dict(error=type(e).__name__)
+          continue
+        row["engine"][label] = dict(us=us, tflops=flops / us / 1e6)
+        print(f"    {label:28s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s "
+              f"({row['cublas_us'] / us:.2f}x cuBLAS)", flush=True)
+      rows.append(row)
+  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
+  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, f"engine_{device}_{date}")
+  md = [f"# Mosaic GEMM engine against cuBLAS ({jax.devices()[0].device_kind}, {date}, "
+        f"jax {jax.__version__}; f16 operands, fp32 output; µs, CUPTI, cold L2, median)", "",
+        "| S | product (M, K, N) | cuBLAS | engine, best | config | × cuBLAS |",
+        "|---|---|---|---|---|---|"]
+  for r in rows:
+    timed = {k: v["us"] for k, v in r["engine"].items() if "us" in v}
+    best = min(timed, key=timed.get) if timed else None
+    md.append(f"| {r['seq_len']} | {r['product']} ({r['m']}, {r['k']}, {r['n']}) | "
+              f"{r['cublas_us']:.1f} | " + (f"{timed[best]:.1f} | {best} | "
+                                            f"{r['cublas_us'] / timed[best]:.2f} |" if best
+                                            else "— | — | — |"))
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
+                   commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
+  with open(stem + ".md", "w") as f:
+    f.write("\n".join(md) + "\n")
+  print("\n".join(md))
+
+
+if __name__ == "__main__":
+  main()
