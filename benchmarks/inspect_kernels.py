@@ -3,7 +3,7 @@
     python -m benchmarks.inspect_kernels --seq-lens 64 256 --modes f16 tf32 --out DIR
 
 Compiles the Triton backward for each S and mode with XLA's dump switched on,
-and prints, per kernel, the counts that answer METHOD.md's first questions:
+and prints, per kernel, the counts that answer the first questions about a kernel:
 which tensor-core instruction the products use (`wgmma` is Hopper's, `mma.sync`
 the older path), whether loads are asynchronous copies into shared memory
 (`cp.async`, the pipelined path) or plain `ld.global`, and their widths. The
@@ -56,7 +56,7 @@ def main():
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[64, 256])
   parser.add_argument("--modes", nargs="+", default=["f16", "tf32"])
   parser.add_argument("--calls", type=int, default=0, help="then run each backward N times")
-  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--out", default=os.environ.get("RESULTS_DIR", "."))
   args = parser.parse_args()
 
   # Under ncu's kernel replay the device memory is backed up before each pass:

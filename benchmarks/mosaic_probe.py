@@ -309,7 +309,7 @@ def launch_1_probe(seq_lens, h, i, variants):
 
   A variant is `(gelu form, approx_math, pre_tile, stages, weight_grad_stages)`
   (`benchmarks/gelu_forms.py` names the forms). The figures in
-  results/mosaic_probe_launch1*_h200.json came from its prototype (commits
+  results/probes/mosaic/mosaic_probe_launch1*_h200.json came from its prototype (commits
   6a3ebfd, 9bd6650), which took the GELU derivative precomputed; compare with
   the Triton launch 1 that `tune --variants default` reports as
   mlp_backward_1."""
@@ -509,7 +509,7 @@ def main():
                       help="form[:exact]:MxNxK:stages:weight_grad_stages, for --kernels launch1")
   parser.add_argument("--launch2-variants", nargs="+", default=["4:256"],
                       help="split_k:tile_rows, for --kernels launch2")
-  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--out", default=os.environ.get("RESULTS_DIR", "."))
   args = parser.parse_args()
   h, i = 1280, 3584
   rows = []

@@ -5,8 +5,11 @@ reference once, then for each precision and implementation: jits
 `mlp_backward` once, checks the SOL-ExecBench rule (a FAIL is not timed) and
 times it (CUPTI, cold L2; see `benchmarks/timing.py`). Peers: XLA at the same
 precision and XLA at DEFAULT. Writes `<device>_<date>.{json,md,png}` and
-`<device>_latest.*` into --out. Without a GPU it runs a small CPU demo
-(Pallas interpret mode, wall-clock times), which is not a benchmark.
+`<device>_latest.*` into --out (default: the run's dated folder,
+`benchmarks/results/runs/<UTC date>/`). Listed in `benchmarks/latest.py`, a
+run joins the current record, `benchmarks/results/latest/`. Without a GPU it
+runs a small CPU demo (Pallas interpret mode, wall-clock times), which is not
+a benchmark.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ AUTO = "auto"          # implementation=None: the library's own choice
 PEER = "xla"           # what every implementation is compared with
 QUICK_SEQ_LENS = (64, 449, 1423, 4096)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results", "runs")   # one folder per UTC date
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +71,7 @@ def _size(text: str) -> tuple[int, int]:
   return int(match[1]), int(match[2])
 
 
-def parse_args(argv=None) -> tuple[Plan, str]:
+def parse_args(argv=None) -> tuple[Plan, str | None]:
   on_gpu = jax.default_backend() == "gpu"
   choices = [n for n in backends.names() if n != PEER] + [AUTO]
   parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
@@ -89,7 +93,8 @@ def parse_args(argv=None) -> tuple[Plan, str]:
   parser.add_argument("--peak-f16", type=float, default=floors.PEAK_F16 / 1e12, help="TFLOP/s")
   parser.add_argument("--bandwidth", type=float, default=floors.BANDWIDTH / 1e12, help="TB/s")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--out", default=os.path.join(REPO_ROOT, "benchmarks", "results"))
+  parser.add_argument("--out", help="output folder (default: "
+                      "benchmarks/results/runs/<UTC date>/, the date the run ends)")
   parser.add_argument("--quick", action="store_true",
                       help=f"S in {QUICK_SEQ_LENS}, 3 warm-up and 15 timed calls (unless given)")
   args = parser.parse_args(argv)
@@ -225,6 +230,7 @@ def main(argv=None) -> dict:
       elapsed_s=round(time.time() - started, 1))
   doc = {"meta": meta, "results": records}
   slug = _device_slug(device.device_kind, plan.cpu_demo)
+  out_dir = out_dir or os.path.join(RUNS_DIR, f"{now:%Y-%m-%d}")
   paths = report.write_all(doc, out_dir, f"{slug}_{now:%Y%m%d-%H%M%S}", f"{slug}_latest")
   print(report.summary(doc))
   print("wrote " + " ".join(paths) + f" in {meta['elapsed_s']} s")

@@ -300,7 +300,7 @@ def main():
   parser.add_argument("--hidden", type=int, default=1280)
   parser.add_argument("--intermediate", type=int, default=3584)
   parser.add_argument("--iterations", type=int, default=20)
-  parser.add_argument("--out", default=os.environ.get("OUT", "."))
+  parser.add_argument("--out", default=os.environ.get("RESULTS_DIR", "."))
   parser.add_argument("--start", type=_best_of, default=None,
                       help="tune.json of an earlier sweep: search around its winners")
   parser.add_argument("--rounds", type=int, default=3, help="coordinate-search rounds")
