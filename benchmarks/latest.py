@@ -8,7 +8,7 @@ changed, replaces the earlier one), and writes into `benchmarks/results/latest/`
 - `h200.json`: one entry per (precision, S, implementation) of that run, with its
   gate status, median/p10/p90 µs, the backend that ran, the run file it came
   from and that run's commit, date and JAX version (where the run recorded them);
-- `h200.md`: the same as one table per precision;
+- `README.md`: the same as one table per precision (shown when browsing the folder);
 - `h200_suite.md`, `h200_suite.png`: copies of the newest run of the whole suite
   (every seed case at DEFAULT, F16 and HIGHEST).
 
@@ -165,7 +165,7 @@ def expected_files(runs=RUNS) -> dict[str, bytes]:
   suite = REPO_ROOT / record["suite"]["run"]
   return {
       "h200.json": _json(record).encode(),
-      "h200.md": markdown(record).encode(),
+      "README.md": markdown(record).encode(),
       "h200_suite.md": suite.with_suffix(".md").read_bytes(),
       "h200_suite.png": suite.with_suffix(".png").read_bytes(),
   }

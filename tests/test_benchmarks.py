@@ -374,3 +374,46 @@ def test_mosaic_probe_launch_2_prototype_lowers_for_cuda():
     assert "mosaic_gpu" in text and f"tensor<{partial_rows}x1280xf32>" in text
   with pytest.raises(AssertionError):
     jax.jit(functools.partial(launch_2_prototype, split_k=5)).trace(*specs)
+
+
+# --- cited results -----------------------------------------------------------------------------
+
+def _alternatives(pattern):
+  """A path with shell-style {a,b} alternatives -> each path it stands for."""
+  import re
+  match = re.search(r"\{([^{}]*)\}", pattern)
+  if not match:
+    return [pattern]
+  return [p for alt in match[1].split(",")
+          for p in _alternatives(pattern[:match.start()] + alt + pattern[match.end():])]
+
+
+def test_every_cited_result_exists():
+  """Every results/... path that the READMEs, NOTES.md, the scripts, the package's comments and
+  the tests cite names files that exist (each {a,b} alternative and wildcard at least one), and
+  no result file outside latest/ is cited by its bare name, without its folder."""
+  import glob
+  import re
+  repo = pathlib.Path(run.REPO_ROOT)
+  results = repo / "benchmarks" / "results"
+  # results/... (from benchmarks/) or benchmarks/results/... (from the root).
+  cited_path = re.compile(r"(?:benchmarks/)?results/(?:[\w.*/-]|\{[\w.*,-]*\})*")
+  stems = {p.name.split(".")[0] for p in results.rglob("*")
+           if p.is_file() and "latest" not in p.relative_to(results).parts
+           and p.name != "README.md" and not p.name.startswith(".")}
+  bare_name = re.compile(r"(?<![\w.-])(?:" + "|".join(map(re.escape, sorted(stems))) + r")(?![\w-])")
+  benchmarks, package = repo / "benchmarks", repo / "vision_mlp_bwd"
+  citing = [repo / "README.md", *sorted(benchmarks.glob("*.md")), *sorted(benchmarks.glob("*.py")),
+            *sorted(benchmarks.glob("*.sh")), *sorted(package.rglob("*.py")),
+            *sorted((repo / "tests").glob("*.py")), *sorted((repo / "examples").glob("*.py"))]
+  missing, bare = [], []
+  for path in citing:
+    text, where = path.read_text(), path.relative_to(repo)
+    for match in cited_path.finditer(text):
+      cited = match[0].rstrip(".")
+      base = repo if cited.startswith("benchmarks/") else benchmarks
+      missing += [f"{where}: {cited}" for alternative in _alternatives(cited)
+                  if not glob.glob(str(base / alternative))]
+    bare += [f"{where}: {m[0]}" for m in bare_name.finditer(cited_path.sub(" ", text))]
+  assert not missing, "cited, but no such file:\n" + "\n".join(missing)
+  assert not bare, "cited without their folder in benchmarks/results/:\n" + "\n".join(bare)

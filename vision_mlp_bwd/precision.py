@@ -34,8 +34,8 @@ class DotMode(enum.Enum):
 # HIGHEST must be fp32-class: relative Frobenius error <= 1e-5 on every output.
 # The kernels meet that with bf16x3 (6.4e-6 worst over the 16 seed cases on the
 # H200), about 2x faster in Triton than tf32x3. XLA's own bf16x3 preset does not
-# (2.5e-5 at S=4096: benchmarks/results/h200_20261129-153212.md), so the XLA
-# path computes HIGHEST in true fp32.
+# (2.5e-5 at S=4096: benchmarks/results/runs/2026-11-29/h200_20261129-153212.md),
+# so the XLA path computes HIGHEST in true fp32.
 _PRECISION_TO_MODE = {
     lax.Precision.DEFAULT: DotMode.TF32,
     lax.Precision.HIGH: DotMode.BF16X3,

@@ -146,14 +146,14 @@ C = Config
 # Per S bucket, from the H200 measurements of benchmarks/tune.py (H=1280,
 # I=3584). Up to S=256 the rows are the winners of a coordinate search over
 # whole-backward Configs at the seed's S (`tune --search-configs`,
-# results/search_*_h200.json): in a grouped launch the first product's warps
+# results/probes/tiles/search_*_h200.json): in a grouped launch the first product's warps
 # and pipeline depth serve both products, so tiles tuned one launch at a time
-# (results/tune*_h200.*, the rows above S=256) were up to 30% off.
+# (results/probes/tiles/tune*_h200.*, the rows above S=256) were up to 30% off.
 # benchmarks/NOTES.md tells the story. At S=129-144 the 16-bit pre-activation
 # block is 128 rows plus a 16-row tail (51.5 against 52.1 us at F16 S=131,
-# results/tails2_h200.log). Launch 1 as one Mosaic GPU grid (`mosaic_launch_1`)
+# results/probes/tiles/tails2_h200.log). Launch 1 as one Mosaic GPU grid (`mosaic_launch_1`)
 # from S=65 to 256: F16 S=128 38.3 against 43.5 us, 131 50.7 / 51.6, 211
-# 52.2 / 52.8 (results/mosaic211_f16_h200.json, benchmarks/NOTES.md, 23);
+# 52.2 / 52.8 (results/probes/mosaic/mosaic211_f16_h200.json, benchmarks/NOTES.md, 23);
 # S=145-256 since its 256-row pre-activation tiles (NOTES.md, 24).
 # Rows: (largest S or None, Config).
 _SIXTEEN_BIT_TABLE = (
@@ -197,7 +197,7 @@ _THIRTY_TWO_BIT_TABLE = (
 # plus a 16-row tail (one block of rows, to S=144; a 256-row tile above) and
 # 64-row input-gradient tiles; at S=211 and 256 one 256-row pre-activation
 # block (8 warps) and 32-deep steps (S=211: 63.2 against 67.2 us,
-# results/search211_tf32_h200.json).
+# results/probes/tiles/search211_tf32_h200.json).
 # Measured against the fp32-operand rows above, TF32 S=128: 49.6 against
 # 58.3 us; 131: 58.2 / 72.1; 211: 67.8 (the row before) / 91.8; 256: 66.0 /
 # 115.8. At S=64 the fp32-operand row stays (42.8 against 43.9).
@@ -220,7 +220,7 @@ _TF32_ON_F16_TABLE = (
 # bf16x3 (HIGHEST) runs three bf16 products per tile: up to S=256 the
 # per-launch TF32 tiles; above, it is compute-bound and 128x128 tiles halved
 # its time per token (1.15 -> 0.55 us per token between S=997 and S=1163 in
-# h200_20261129-153212).
+# benchmarks/results/runs/2026-11-29/h200_20261129-153212.md).
 _THREE_PASS_TABLE = (
     (64, C(T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8))),
     (128, C(T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4))),
@@ -275,11 +275,12 @@ def interpret_config(problem: Problem) -> Config:
 # Where the automatic choice takes the Triton kernels over XLA: per DotMode, the
 # S ranges (inclusive; None = no upper end) around the seed cases where they
 # measured at least 8% faster than XLA at the same precision in the same run.
-# S <= 256: benchmarks/results/h200_20261130-022805.md (TF32, F16, HIGHEST;
-# TF32 on f16 tensor cores from S=65; F16 launch 1 on Mosaic GPU, 256-row
-# tiles above S=128) and h200_bf16_20261129-195442.md and -223832.md, with
-# the earlier runs of tests/test_routing.py agreeing; above:
-# h200_20261129-154647.md.
+# S <= 256: benchmarks/results/runs/2026-11-30/h200_20261130-022805.md (TF32, F16,
+# HIGHEST; TF32 on f16 tensor cores from S=65; F16 launch 1 on Mosaic GPU,
+# 256-row tiles above S=128) and
+# benchmarks/results/runs/2026-11-29/h200_bf16_20261129-195442.md and -223832.md,
+# with the earlier runs listed in benchmarks/latest.py agreeing; above:
+# benchmarks/results/runs/2026-11-29/h200_20261129-154647.md.
 # Ties (within the ~5% run-to-run spread) go to XLA; so do modes not listed.
 TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
     DotMode.TF32: ((1, 256),),                 # 1.32-1.42x at every seed S <= 256
