@@ -33,14 +33,18 @@ PRODUCTS = {
     "grad_pre @ fc1_weight": (lambda s, h, i: (s, i, h), False),
     "grad_pre.T @ hidden_state": (lambda s, h, i: (i, s, h), True),
 }
-CONFIGS = {
-    "128x256 k64 st3 w8": C(stages=3),
+CONFIGS = {   # block (rows x columns), contraction step, stages, snake band width, ...
     "128x256 k64 st3 w8 minor-m": C(stages=3, grid_minor="m"),
-    "128x256 k64 st3 w16": C(stages=3, grid_tile_width=16),
-    "256x128 k64 st3 w8": C(stages=3, split="m"),
-    "128x128 k64 st4 w8": C(tile_n=64, stages=4),
+    "128x256 k64 st3 w8 minor-m f1": C(stages=3, grid_minor="m", mma_in_flight=1),
+    "256x128 k64 st3 w8 f1": C(stages=3, split="m", mma_in_flight=1),
     "128x128 k64 st5 w8": C(tile_n=64, stages=5),
-    "64x256 k64 st5 w8": C(tile_m=64, stages=5),
+    "128x128 k64 st5 w8 f1": C(tile_n=64, stages=5, mma_in_flight=1),
+    "128x128 k128 st3 w8 f1 e64x32": C(tile_n=64, tile_k=128, stages=3, mma_in_flight=1,
+                                       epilogue_tile=(64, 32)),
+    "128x256 k128 st2 w8 f1 e64x32": C(tile_k=128, stages=2, mma_in_flight=1,
+                                       epilogue_tile=(64, 32)),
+    "128x128 k64 st6 w8 f1 e64x32": C(tile_n=64, stages=6, mma_in_flight=1,
+                                      epilogue_tile=(64, 32)),
 }
 
 
@@ -54,7 +58,7 @@ def main(argv=None):
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
   parser.add_argument("--iterations", type=int, default=30)
-  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "engine"))
+  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
   h, i = cases.HIDDEN, cases.INTERMEDIATE
   rows = []

@@ -6,7 +6,9 @@ and `mosaic_probe`), so the same kernels run with only the elementwise
 epilogue changed. "tanh" is the contract's formula as written;
 "one_exp_rsqrt" the package's form until 2026-12 (r = rsqrt(1 + exp(-2u))^2,
 r (1 - r) formed by cancellation: fp32 error up to 5.4e-6 on some CPUs);
-"no_cancellation" the package's form now (benchmarks/NOTES.md, 25).
+"no_cancellation" the package's form now (benchmarks/NOTES.md, 25), with IEEE
+division, as the Triton kernels run it, and "no_cancellation_rsqrt" the same
+with 1 / y as rsqrt(y^2), as the Mosaic GPU kernels run it.
 """
 
 from __future__ import annotations
@@ -35,14 +37,19 @@ def one_exp_rsqrt_form(x):
 
 
 FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
-         "no_cancellation": reference.gelu_tanh_grad}
+         "no_cancellation": reference.gelu_tanh_grad,
+         "no_cancellation_rsqrt": lambda x: reference.gelu_tanh_grad(x, reference.fast_reciprocal)}
 
 
-def use(form: str) -> None:
-  """Makes the kernels compute the GELU derivative as `FORMS[form]`."""
+def use(form: str | None) -> None:
+  """Makes the kernels compute the GELU derivative as `FORMS[form]`; None: the package's own."""
   from vision_mlp_bwd.backends import mosaic_gpu
   from vision_mlp_bwd.backends.triton import kernels
-  kernels.gelu_tanh_grad = mosaic_gpu.gelu_tanh_grad = FORMS[form]
+  if form is None:
+    kernels.gelu_tanh_grad = reference.gelu_tanh_grad
+    mosaic_gpu.gelu_derivative = FORMS["no_cancellation_rsqrt"]
+  else:
+    kernels.gelu_tanh_grad = mosaic_gpu.gelu_derivative = FORMS[form]
 
 
 def kernel_errors(n_rows: int = 8192):

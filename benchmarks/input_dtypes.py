@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import vision_mlp_bwd
+from benchmarks.run import todays_runs_dir
 from benchmarks import cases, timing
 
 F16 = lax.DotAlgorithmPreset.F16_F16_F32
@@ -40,7 +41,8 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seq-lens", type=int, nargs="+", default=list(cases.SEQ_LENS))
   parser.add_argument("--iterations", type=int, default=30)
-  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "input_dtypes"))
+  parser.add_argument("--out", default=todays_runs_dir(),
+                      help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE

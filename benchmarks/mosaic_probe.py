@@ -350,7 +350,7 @@ def launch_1_probe(seq_lens, h, i, variants):
                        pre_max_error=max_error))
       print(f"S={s:4d} {label:60s} {us:6.1f} us  errors {errors[0]:.2e} {errors[1]:.1e} "
             f"max {max_error:.2e}", flush=True)
-  gelu_forms.use("one_exp_rsqrt")
+  gelu_forms.use(None)
   return rows
 
 
@@ -505,7 +505,7 @@ def main():
                       choices=["plain", "persistent", "chained", "transposing", "converting",
                                "launch1", "launch2"])
   parser.add_argument("--launch1-variants", type=_launch_1_variants, nargs="+",
-                      default=[_launch_1_variants("one_exp_rsqrt")],
+                      default=[_launch_1_variants("no_cancellation")],
                       help="form[:exact]:MxNxK:stages:weight_grad_stages, for --kernels launch1")
   parser.add_argument("--launch2-variants", nargs="+", default=["4:256"],
                       help="split_k:tile_rows, for --kernels launch2")

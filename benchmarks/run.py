@@ -42,6 +42,11 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS_DIR = os.path.join(REPO_ROOT, "benchmarks", "results", "runs")   # one folder per UTC date
 
 
+def todays_runs_dir() -> str:
+  """`benchmarks/results/runs/<UTC date>/`, where a run of today is recorded."""
+  return os.path.join(RUNS_DIR, datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"))
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   sizes: tuple[tuple[int, int], ...]

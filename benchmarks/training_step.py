@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vision_mlp_bwd
+from benchmarks.run import todays_runs_dir
 from benchmarks import timing
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "fp32": jnp.float32}
@@ -192,7 +193,8 @@ def main(argv=None):
   parser.add_argument("--size", default="1280x3584" if on_gpu else "64x160", help="HxI")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--no-flax", action="store_true", help="skip the Flax step table")
-  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "training_step"))
+  parser.add_argument("--out", default=todays_runs_dir(),
+                      help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
   hidden, intermediate = map(int, args.size.split("x"))
   device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()

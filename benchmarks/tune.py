@@ -312,8 +312,9 @@ def main():
   parser.add_argument("--seeds", nargs="+", default=(),
                       help="with --search-configs: variants (as --variants takes them) timed "
                            "beside the table's Config in a first round")
-  parser.add_argument("--gelu-form", default="one_exp_rsqrt",
-                      help="the GELU derivative's form in every kernel (benchmarks/gelu_forms.py)")
+  parser.add_argument("--gelu-form", default=None,
+                      help="the GELU derivative's form in every kernel (benchmarks/gelu_forms.py; "
+                           "default: the package's)")
   args = parser.parse_args()
 
   gelu_forms.use(args.gelu_form)

@@ -347,14 +347,14 @@ def test_mosaic_probe_launch_1_times_the_package_kernel():
   try:
     for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
       gelu_forms.use(form)
-      assert mosaic_gpu.gelu_tanh_grad is gelu_forms.FORMS[form]
+      assert mosaic_gpu.gelu_derivative is gelu_forms.FORMS[form]
       fn = functools.partial(mosaic_gpu.launch_1, stages=stages,
                              weight_grad_stages=weight_grad_stages, pre_tile=pre_tile,
                              approx_math=approx_math)
       text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
       assert "mosaic_gpu" in text
   finally:
-    gelu_forms.use("one_exp_rsqrt")
+    gelu_forms.use(None)
 
 
 def test_mosaic_probe_launch_2_prototype_lowers_for_cuda():

@@ -117,12 +117,14 @@ def jnp_precision(mode: DotMode):
   }[mode]
 
 
-def xla_dot_general(a, b, dimension_numbers, mode: DotMode):
-  """`lax.dot_general` with fp32 output, computed as `mode` says, for XLA code.
+def xla_dot_general(a, b, dimension_numbers, mode: DotMode, out_dtype=jnp.float32):
+  """`lax.dot_general` accumulated in fp32, computed as `mode` says, for XLA code.
 
   16-bit modes cast the operands explicitly (every backend accepts that);
   the bf16x3 preset is used on GPU and true fp32 elsewhere, which is at least
-  as accurate.
+  as accurate. A 16-bit `out_dtype` with 16-bit operands is the product
+  `jnp.matmul` returns for them: accumulated in fp32 and rounded once as the
+  product writes it, so no fp32 copy of the result passes through memory.
   """
   sixteen_bit = _sixteen_bit_operands(a, b, mode)
   if sixteen_bit is not None:
@@ -133,9 +135,11 @@ def xla_dot_general(a, b, dimension_numbers, mode: DotMode):
   else:
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
     precision = jnp_precision(mode)
-  return lax.dot_general(
-      a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
-  )
+  out_dtype = jnp.dtype(out_dtype)
+  direct = out_dtype.itemsize == 2 and a.dtype == b.dtype == out_dtype
+  product = lax.dot_general(a, b, dimension_numbers, precision=precision,
+                            preferred_element_type=out_dtype if direct else jnp.float32)
+  return product.astype(out_dtype)
 
 
 def _sixteen_bit_operands(a, b, mode: DotMode):

@@ -8,6 +8,7 @@ Layouts follow torch `nn.Linear` (and the SOL-ExecBench contract): weights are
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax import lax
 
 from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs, xla_dot_general
 
@@ -25,7 +26,7 @@ def gelu_tanh(x):
   return 0.5 * x * (1.0 + jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
 
 
-def gelu_tanh_grad(x):
+def gelu_tanh_grad(x, reciprocal=None):
   """d gelu_tanh(x) / dx: the contract's derivative, rewritten with one exp and no cancellation.
 
   With u = sqrt(2/pi) (x + 0.044715 x^3), t = exp(-2|u|) <= 1 and p = 1 / (1 + t),
@@ -39,41 +40,55 @@ def gelu_tanh_grad(x):
   formula does (|x| > ~1.8e19, x = +-inf) and keeps the limits 0 and 1
   elsewhere. Shared by the reference and every kernel (plain `jnp`, so it
   traces inside Pallas too); computed in the dtype of `x`, and kernels pass
-  fp32.
+  fp32. `reciprocal` (default: IEEE division) computes 1 / y for y in [1, 2]:
+  `fast_reciprocal` is what Mosaic GPU kernels pass.
   """
   x2 = x * x
   t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
-  p = 1.0 / (1.0 + t)
+  p = 1.0 / (1.0 + t) if reciprocal is None else reciprocal(1.0 + t)
   r = jnp.where(x >= 0, p, t * p)
   q = t * p * p
   return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
+
+
+def fast_reciprocal(y):
+  """1 / y as rsqrt(y^2), for y in [1, 2]: Mosaic GPU computes rsqrt with the hardware's
+  `rsqrt.approx` under `approx_math`, where a division is IEEE's long sequence."""
+  return lax.rsqrt(y * y)
 
 
 def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):
   """Returns `(output, fc1_output, gelu_output)` for `hidden_state` of shape `[S, H]`.
 
   Each product runs as `precision` means to `jnp.matmul` on these inputs
-  (`precision.for_inputs`); the activations are stored in the input dtype.
+  (`precision.for_inputs`) and, like `jnp.matmul`, returns the input dtype
+  (accumulated in fp32); the bias, the GELU and the activations follow in
+  the input dtype, as in the same model written with jnp.
   """
   dtype = hidden_state.dtype
   mode = for_inputs(canonicalize(precision), dtype)
-  fc1_output = (xla_dot_general(hidden_state, fc1_weight, _ROWS_TIMES_WEIGHT_T, mode)
-                + fc1_bias.astype(jnp.float32)).astype(dtype)
+  fc1_output = (xla_dot_general(hidden_state, fc1_weight, _ROWS_TIMES_WEIGHT_T, mode, dtype)
+                .astype(jnp.float32) + fc1_bias.astype(jnp.float32)).astype(dtype)
   gelu_output = gelu_tanh(fc1_output.astype(jnp.float32)).astype(dtype)
-  output = (xla_dot_general(gelu_output, fc2_weight, _ROWS_TIMES_WEIGHT_T, mode)
-            + fc2_bias.astype(jnp.float32)).astype(dtype)
+  output = (xla_dot_general(gelu_output, fc2_weight, _ROWS_TIMES_WEIGHT_T, mode, dtype)
+            .astype(jnp.float32) + fc2_bias.astype(jnp.float32)).astype(dtype)
   return output, fc1_output, gelu_output
 
 
 def pre_activation_grad(grad_output, fc2_weight, fc1_output, mode: DotMode):
-  """`grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`, fp32."""
-  grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode)
-  return grad_gelu * gelu_tanh_grad(fc1_output.astype(jnp.float32))
+  """`grad_fc1_output = (grad_output @ fc2_weight) * gelu'(fc1_output)`, fp32.
+
+  The product comes in the input dtype, as `jnp.matmul` returns it (on 16-bit
+  inputs it is rounded there once before the GELU derivative multiplies it,
+  as in jnp's autodiff; on fp32 inputs it stays fp32)."""
+  grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode,
+                              grad_output.dtype)
+  return grad_gelu.astype(jnp.float32) * gelu_tanh_grad(fc1_output.astype(jnp.float32))
 
 
-def input_grad(grad_fc1_output, fc1_weight, mode: DotMode):
-  """`grad_hidden_state = grad_fc1_output @ fc1_weight`, fp32."""
-  return xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode)
+def input_grad(grad_fc1_output, fc1_weight, mode: DotMode, out_dtype=jnp.float32):
+  """`grad_hidden_state = grad_fc1_output @ fc1_weight`, as `out_dtype`."""
+  return xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode, out_dtype)
 
 
 def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
@@ -87,16 +102,14 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   # The biases are not read, only their dtypes. On 16-bit inputs the products
   # read the pre-GELU gradient rounded to that dtype (`precision.for_inputs`).
   mode: DotMode = for_inputs(canonicalize(precision), hidden_state.dtype)
+  dtype = hidden_state.dtype   # every input's, and every gradient's
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
-  grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode)
+  grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode, dtype)
   grad_fc1_output = pre_activation_grad(grad_output, fc2_weight, fc1_output, mode)
   grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
-  grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode)
-  grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode)
-  return (
-      grad_hidden_state.astype(hidden_state.dtype),
-      grad_fc1_weight.astype(fc1_weight.dtype),
-      grad_fc1_bias.astype(fc1_bias.dtype),
-      grad_fc2_weight.astype(fc2_weight.dtype),
-      grad_fc2_bias.astype(fc2_bias.dtype),
-  )
+  if mode.operand_dtype is not None:   # the products' operand, rounded once for both
+    grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
+  grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode, dtype)
+  grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode, dtype)
+  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
+          grad_fc2_bias.astype(dtype))

@@ -19,6 +19,7 @@ benchmarks/mosaic_probe.py).
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import jax
@@ -29,11 +30,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends.triton.kernels import out_struct
 from vision_mlp_bwd.problem import Problem
-from vision_mlp_bwd.reference import gelu_tanh_grad
+from vision_mlp_bwd.reference import fast_reciprocal, gelu_tanh_grad
 
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
 ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
 SWIZZLE = 128      # bytes: one swizzled row of a tile
+
+# The GELU derivative with its reciprocal as rsqrt(y^2), which `approx_math` runs as the
+# hardware's rsqrt.approx instead of IEEE division's long sequence (benchmarks/NOTES.md, 25).
+gelu_derivative = functools.partial(gelu_tanh_grad, reciprocal=fast_reciprocal)
 
 
 def padded_rows(tokens: int) -> int:
@@ -188,7 +193,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
         plgpu.copy_gmem_to_smem(x_gmem.at[rows, cols], x_smem, x_arrived)  # for the epilogue
         converted_weight_product(acc_ref, b16, g_gmem.at[rows], w_gmem.at[:, cols], stages)
         plgpu.barrier_wait(x_arrived)
-        write_tile((acc_ref[...] * gelu_tanh_grad(load_wgmma(x_smem))).astype(dtype),
+        write_tile((acc_ref[...] * gelu_derivative(load_wgmma(x_smem))).astype(dtype),
                    pre_gmem.at[rows, cols], rows_per_tile)
 
       pl.run_scoped(tile, plgpu.ACC((pm, pn), jnp.float32),

@@ -49,6 +49,10 @@ class GemmConfig:
   grid_minor: str = "n"     # planar snake: the dimension that varies fastest ...
   grid_tile_width: int = 8  # ... within bands this many blocks wide
   epilogue_tile: tuple[int, int] = (64, 64)
+  # wgmma groups left in flight when a step's body returns (0 or 1): with 1, a
+  # stage's buffers are released one step later, and the next step's MMAs are
+  # issued before the last ones finish.
+  mma_in_flight: int = 0
 
   @property
   def block(self) -> tuple[int, int]:
@@ -106,10 +110,14 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, 
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(2, pieces)
 
-  a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=_tiles(dtype))
+  delay = config.mma_in_flight
+  a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=_tiles(dtype),
+                            delay_release=delay)
             if transpose_a else
-            plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=_tiles(dtype)))
-  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=_tiles(dtype))
+            plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=_tiles(dtype),
+                            delay_release=delay))
+  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=_tiles(dtype),
+                           delay_release=delay)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -142,7 +150,7 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           run_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)
+          acc = acc_ref[...].astype(out_dtype)   # waits for the MMAs still in flight
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
           out = out_gmem.at[block_rows, block_cols].at[wg_rows, wg_cols]
           for pm in range(tile_m // epi_m):
@@ -160,7 +168,7 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, 
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
-        plgpu.wgmma_wait(0)
+        plgpu.wgmma_wait(delay)
         return acc_ref
 
       a_view = a_gmem.at[:, block_rows] if transpose_a else a_gmem.at[block_rows, :]
