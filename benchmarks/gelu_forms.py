@@ -22,9 +22,8 @@ from vision_mlp_bwd.reference import GELU_CUBIC, SQRT_2_OVER_PI
 
 def contract_tanh_form(x):
   """The contract's derivative as written: 0.5 (1 + t) + 0.5 x (1 - t^2) u'(x), t = tanh u."""
-  x2 = x * x
-  t = jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x2 * x))
-  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x2)
+  t = jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x))
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQRT_2_OVER_PI * (1 + 3 * GELU_CUBIC * x * x)
 
 
 def one_exp_rsqrt_form(x):
@@ -36,9 +35,27 @@ def one_exp_rsqrt_form(x):
   return r + r * (slope * (1.0 - r))
 
 
+def clamped_exp_form(x):
+  """No cancellation without |x| or a select: e = exp(min(-2u, 80)), r = 1 / (1 + e) as
+  rsqrt((1 + e)^2) (0 where that overflows), r (1 - r) = e r^2."""
+  e = jnp.exp(jnp.minimum(x * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x * x), 80.0))
+  r = lax.rsqrt((1.0 + e) * (1.0 + e))
+  return r + (e * r * r * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
+
+
+def shared_tp_form(x):
+  """The package's form with t p computed once and 1 / (1 + t) as rsqrt((1 + t)^2)."""
+  t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x * x))
+  p = lax.rsqrt((1.0 + t) * (1.0 + t))
+  tp = t * p
+  return (jnp.where(x >= 0, p, tp)
+          + (tp * p * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x))
+
+
 FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
          "no_cancellation": reference.gelu_tanh_grad,
-         "no_cancellation_rsqrt": lambda x: reference.gelu_tanh_grad(x, reference.fast_reciprocal)}
+         "no_cancellation_rsqrt": lambda x: reference.gelu_tanh_grad(x, reference.fast_reciprocal),
+         "clamped_exp": clamped_exp_form, "shared_tp": shared_tp_form}
 
 
 def use(form: str | None) -> None:

@@ -46,6 +46,10 @@ def main(argv=None):
   args = parser.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
+  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
+  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  os.makedirs(args.out, exist_ok=True)
+  stem = os.path.join(args.out, f"input_dtypes_{device}_{date}")
   rows = []
   for s in args.seq_lens:
     inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)
@@ -62,10 +66,10 @@ def main(argv=None):
     rows.append(row)
     print(f"S={s:5d} " + "  ".join(f"{label} {row[label]:7.1f}" for label, *_ in COLUMNS),
           flush=True)
-  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
-  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"input_dtypes_{device}_{date}")
+    _write(stem, rows, date, hidden, intermediate)   # after every S: a cut-short run keeps its rows
+
+
+def _write(stem, rows, date, hidden, intermediate):
   labels = [label for label, *_ in COLUMNS]
   md = [f"# mlp_backward by input dtype ({jax.devices()[0].device_kind}, {date}, "
         f"jax {jax.__version__}, H={hidden}, I={intermediate}; µs, CUPTI, cold L2, median)", "",
@@ -77,7 +81,6 @@ def main(argv=None):
                    commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
   with open(stem + ".md", "w") as f:
     f.write("\n".join(md) + "\n")
-  print("\n".join(md))
 
 
 if __name__ == "__main__":
