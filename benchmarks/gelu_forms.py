@@ -6,9 +6,8 @@ and `mosaic_probe`), so the same kernels run with only the elementwise
 epilogue changed. "tanh" is the contract's formula as written;
 "one_exp_rsqrt" the package's form until 2026-12 (r = rsqrt(1 + exp(-2u))^2,
 r (1 - r) formed by cancellation: fp32 error up to 5.4e-6 on some CPUs);
-"no_cancellation" the package's form now (benchmarks/NOTES.md, 25), with IEEE
-division, as the Triton kernels run it, and "no_cancellation_rsqrt" the same
-with 1 / y as rsqrt(y^2), as the Mosaic GPU kernels run it.
+"no_cancellation" the package's form now, and two variants of it that
+timed the same in the Mosaic launch 1 (benchmarks/NOTES.md, 25).
 """
 
 from __future__ import annotations
@@ -54,7 +53,6 @@ def shared_tp_form(x):
 
 FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
          "no_cancellation": reference.gelu_tanh_grad,
-         "no_cancellation_rsqrt": lambda x: reference.gelu_tanh_grad(x, reference.fast_reciprocal),
          "clamped_exp": clamped_exp_form, "shared_tp": shared_tp_form}
 
 
@@ -64,7 +62,7 @@ def use(form: str | None) -> None:
   from vision_mlp_bwd.backends.triton import kernels
   if form is None:
     kernels.gelu_tanh_grad = reference.gelu_tanh_grad
-    mosaic_gpu.gelu_derivative = FORMS["no_cancellation_rsqrt"]
+    mosaic_gpu.gelu_derivative = reference.gelu_tanh_grad
   else:
     kernels.gelu_tanh_grad = mosaic_gpu.gelu_derivative = FORMS[form]
 

@@ -8,7 +8,6 @@ Layouts follow torch `nn.Linear` (and the SOL-ExecBench contract): weights are
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs, xla_dot_general
 
@@ -26,7 +25,7 @@ def gelu_tanh(x):
   return 0.5 * x * (1.0 + jnp.tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
 
 
-def gelu_tanh_grad(x, reciprocal=None):
+def gelu_tanh_grad(x):
   """d gelu_tanh(x) / dx: the contract's derivative, rewritten with one exp and no cancellation.
 
   With u = sqrt(2/pi) (x + 0.044715 x^3), t = exp(-2|u|) <= 1 and p = 1 / (1 + t),
@@ -40,21 +39,14 @@ def gelu_tanh_grad(x, reciprocal=None):
   formula does (|x| > ~1.8e19, x = +-inf) and keeps the limits 0 and 1
   elsewhere. Shared by the reference and every kernel (plain `jnp`, so it
   traces inside Pallas too); computed in the dtype of `x`, and kernels pass
-  fp32. `reciprocal` (default: IEEE division) computes 1 / y for y in [1, 2]:
-  `fast_reciprocal` is what Mosaic GPU kernels pass.
+  fp32.
   """
   x2 = x * x
   t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
-  p = 1.0 / (1.0 + t) if reciprocal is None else reciprocal(1.0 + t)
+  p = 1.0 / (1.0 + t)
   r = jnp.where(x >= 0, p, t * p)
   q = t * p * p
   return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
-
-
-def fast_reciprocal(y):
-  """1 / y as rsqrt(y^2), for y in [1, 2]: Mosaic GPU computes rsqrt with the hardware's
-  `rsqrt.approx` under `approx_math`, where a division is IEEE's long sequence."""
-  return lax.rsqrt(y * y)
 
 
 def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):

@@ -19,7 +19,6 @@ benchmarks/mosaic_probe.py).
 
 from __future__ import annotations
 
-import functools
 import inspect
 
 import jax
@@ -30,15 +29,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends.triton.kernels import out_struct
 from vision_mlp_bwd.problem import Problem
-from vision_mlp_bwd.reference import fast_reciprocal, gelu_tanh_grad
+from vision_mlp_bwd.reference import gelu_tanh_grad
 
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
 ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
 SWIZZLE = 128      # bytes: one swizzled row of a tile
 
-# The GELU derivative with its reciprocal as rsqrt(y^2), which `approx_math` runs as the
-# hardware's rsqrt.approx instead of IEEE division's long sequence (benchmarks/NOTES.md, 25).
-gelu_derivative = functools.partial(gelu_tanh_grad, reciprocal=fast_reciprocal)
+gelu_derivative = gelu_tanh_grad   # the epilogue's (benchmarks/gelu_forms.py replaces it to time)
 
 
 def padded_rows(tokens: int) -> int:
