@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import cases, latest
 from vision_mlp_bwd.backends.triton.config import triton_wins
-from vision_mlp_bwd.precision import canonicalize
+from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs
 from vision_mlp_bwd.problem import Problem
 
 RECORD = json.loads((latest.LATEST / "h200.json").read_text())
@@ -56,3 +56,30 @@ def test_triton_chosen_only_where_it_measured_faster(precision, seq_len, triton_
   problem = Problem(seq_len, 1280, 3584, jnp.dtype(jnp.float32), mode)
   if triton_wins(problem):
     assert triton_us < xla_us, f"routed to Triton at {triton_us:.1f} us vs XLA {xla_us:.1f} us"
+
+
+INPUT_DTYPES_RUN = (latest.REPO_ROOT / "benchmarks" / "results" / "runs" / "2026-12-01"
+                    / "input_dtypes_h200_20261201-091806.json")
+SIXTEEN_BIT = {"bf16": (jnp.bfloat16, DotMode.BF16), "f16": (jnp.float16, DotMode.F16)}
+
+
+def sixteen_bit_pairs():
+  """(input dtype, S, triton µs, xla µs) of mlp_backward on 16-bit inputs, default precision."""
+  rows = json.loads(INPUT_DTYPES_RUN.read_text())["rows"]
+  return [(name, r["seq_len"], r[f"{name} in, triton"], r[f"{name} in, xla"])
+          for r in rows for name in SIXTEEN_BIT]
+
+
+@pytest.mark.parametrize("dtype_name,seq_len,triton_us,xla_us", sixteen_bit_pairs(),
+                         ids=[f"{d}-{s}" for d, s, _, _ in sixteen_bit_pairs()])
+def test_16_bit_inputs_take_triton_only_where_it_measured_faster(dtype_name, seq_len, triton_us,
+                                                                 xla_us):
+  dtype, mode = SIXTEEN_BIT[dtype_name]
+  assert for_inputs(canonicalize(None), dtype) is mode
+  problem = Problem(seq_len, 1280, 3584, jnp.dtype(dtype), mode)
+  if triton_wins(problem):
+    assert triton_us < xla_us, f"routed to Triton at {triton_us:.1f} us vs XLA {xla_us:.1f} us"
+
+
+def test_16_bit_inputs_were_measured_at_every_seed_case():
+  assert {s for _, s, _, _ in sixteen_bit_pairs()} == set(cases.SEQ_LENS)

@@ -250,7 +250,7 @@ class TritonBackend:
     return f"Pallas-Triton runs on CUDA GPUs (and in interpret mode on the CPU), not on {platform}."
 
   def preferred(self, problem: Problem, platform: str) -> bool:
-    return platform == "gpu" and problem.dtype == jnp.float32 and triton_wins(problem)
+    return platform == "gpu" and triton_wins(problem)
 
   def backward(self, grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                fc1_output, gelu_output, problem: Problem):

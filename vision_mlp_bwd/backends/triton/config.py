@@ -290,7 +290,19 @@ TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
 }
 
 
+# The same for bf16 and f16 inputs (their default precision runs as BF16 / F16
+# on the 16-bit values as they are; `precision.for_inputs`), from
+# benchmarks/results/runs/2026-12-01/input_dtypes_h200_20261201-091806.json:
+# 1.37-1.42x at S=64, 1.18-1.20x at S=128; 0.93-1.10x at S=131-256, and XLA
+# (cuBLAS on 16-bit operands) 1.4-1.8x faster from S=293.
+TRITON_WINS_ON_16_BIT_INPUTS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
+    DotMode.F16: ((1, 128),),
+    DotMode.BF16: ((1, 128),),
+}
+
+
 def triton_wins(problem: Problem) -> bool:
-  """Whether the Triton kernels measured faster than XLA for this S and mode."""
+  """Whether the Triton kernels measured faster than XLA for this S, mode and input dtype."""
+  table = TRITON_WINS if problem.dtype.itemsize == 4 else TRITON_WINS_ON_16_BIT_INPUTS
   return any(lo <= problem.tokens and (hi is None or problem.tokens <= hi)
-             for lo, hi in TRITON_WINS.get(problem.mode, ()))
+             for lo, hi in table.get(problem.mode, ()))
