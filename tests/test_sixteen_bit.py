@@ -1,0 +1,98 @@
+"""bf16 and f16 inputs: `precision` means what it means to `jnp.matmul`, and nothing is widened.
+
+On 16-bit inputs every 32-bit precision multiplies the 16-bit values as they
+are with fp32 accumulation (`precision.for_inputs`), so the lowered programs
+carry 16-bit dot operands, the precisions agree bit for bit, and what
+`vision_mlp` saves for its backward stays in the input dtype and no larger
+than what jnp's autodiff of the same model saves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import vision_mlp_bwd
+from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs
+from tests import helpers
+
+SIXTEEN_BIT = (jnp.bfloat16, jnp.float16)
+THIRTY_TWO_BIT_PRECISIONS = (None, "default", "high", "highest", lax.Precision.HIGHEST,
+                             lax.DotAlgorithmPreset.TF32_TF32_F32,
+                             lax.DotAlgorithmPreset.F32_F32_F32,
+                             lax.DotAlgorithmPreset.BF16_BF16_F32_X3)
+
+
+def plain_mlp(x, fc1_weight, fc1_bias, fc2_weight, fc2_bias):
+  """The MLP as a JAX user writes it."""
+  return jax.nn.gelu(x @ fc1_weight.T + fc1_bias, approximate=True) @ fc2_weight.T + fc2_bias
+
+
+def _params(dtype, hidden=16, intermediate=40, tokens=12):
+  inputs = helpers.backward_inputs(tokens, hidden, intermediate, dtype=dtype)
+  return inputs[1], inputs[2:6]   # hidden_state, (fc1_weight, fc1_bias, fc2_weight, fc2_bias)
+
+
+def _dot_operand_types(hlo_text):
+  """The (lhs, rhs) element types of every dot_general in StableHLO text."""
+  tensor = r"tensor<(?:\d+x)*(\w+)>"
+  return re.findall(rf"stablehlo\.dot_general[^\n]*?:\s*\({tensor},\s*{tensor}\)", hlo_text)
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "f16"])
+@pytest.mark.parametrize("precision", THIRTY_TWO_BIT_PRECISIONS, ids=str)
+def test_every_32_bit_precision_runs_as_the_input_dtypes_own(dtype, precision):
+  expected = DotMode.BF16 if dtype == jnp.bfloat16 else DotMode.F16
+  assert for_inputs(canonicalize(precision), dtype) is expected
+  assert for_inputs(canonicalize(precision), jnp.float32) is canonicalize(precision)
+
+
+def test_16_bit_presets_keep_their_operand_dtype():
+  f16, bf16 = lax.DotAlgorithmPreset.F16_F16_F32, lax.DotAlgorithmPreset.BF16_BF16_F32
+  assert for_inputs(canonicalize(f16), jnp.bfloat16) is DotMode.F16
+  assert for_inputs(canonicalize(bf16), jnp.float16) is DotMode.BF16
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "f16"])
+@pytest.mark.parametrize("implementation", [None, "xla"])
+def test_lowered_backward_and_forward_have_16_bit_dot_operands(dtype, implementation):
+  name = jnp.dtype(dtype).name.replace("float16", "f16").replace("bfloat16", "bf16")
+  inputs = helpers.backward_inputs(24, 16, 40, dtype=dtype)
+  backward = jax.jit(lambda *a: vision_mlp_bwd.mlp_backward(*a, implementation=implementation))
+  hidden_state, params = inputs[1], inputs[2:6]
+  forward = jax.jit(lambda x, *p: vision_mlp_bwd.vision_mlp(x, *p, implementation=implementation))
+  for text in (backward.lower(*inputs).as_text(), forward.lower(hidden_state, *params).as_text()):
+    operands = _dot_operand_types(text)
+    assert operands, "no dot_general found"
+    assert all(pair == (name, name) for pair in operands), operands
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "f16"])
+def test_all_32_bit_precisions_agree_bit_for_bit_on_16_bit_inputs(dtype):
+  inputs = helpers.backward_inputs(20, 16, 40, dtype=dtype)
+  outs = [vision_mlp_bwd.mlp_backward(*inputs, precision=p, implementation="xla")
+          for p in (None, "highest", lax.DotAlgorithmPreset.F32_F32_F32)]
+  for other in outs[1:]:
+    for a, b in zip(outs[0], other):
+      assert a.dtype == dtype
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float16, jnp.float32),
+                         ids=["bf16", "f16", "fp32"])
+def test_residuals_stay_in_the_input_dtype_and_are_no_larger_than_plain_autodiffs(dtype):
+  hidden_state, params = _params(dtype, hidden=32, intermediate=96, tokens=40)
+  _, ours = jax.vjp(vision_mlp_bwd.vision_mlp, hidden_state, *params)
+  _, plain = jax.vjp(plain_mlp, hidden_state, *params)
+  saved = jax.tree.leaves(ours)
+  assert saved and all(r.dtype == dtype for r in saved), [r.dtype for r in saved]
+  size = lambda leaves: sum(r.size * r.dtype.itemsize for r in leaves)
+  assert size(saved) <= size(jax.tree.leaves(plain)), (size(saved), size(jax.tree.leaves(plain)))
+  # Besides the arguments, the two [S, I] activations and nothing else.
+  activations = [r for r in saved if r.shape == (40, 96)]
+  assert len(activations) == 2
