@@ -59,11 +59,13 @@ def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, pre
   """
   dtype = hidden_state.dtype
   mode = for_inputs(canonicalize(precision), dtype)
+  # The bias is added in the input dtype, as jnp adds it (one rounding of the exact sum
+  # either way), so XLA can fold it into the product's epilogue.
   fc1_output = (xla_dot_general(hidden_state, fc1_weight, _ROWS_TIMES_WEIGHT_T, mode, dtype)
-                .astype(jnp.float32) + fc1_bias.astype(jnp.float32)).astype(dtype)
+                + fc1_bias.astype(dtype))
   gelu_output = gelu_tanh(fc1_output.astype(jnp.float32)).astype(dtype)
   output = (xla_dot_general(gelu_output, fc2_weight, _ROWS_TIMES_WEIGHT_T, mode, dtype)
-            .astype(jnp.float32) + fc2_bias.astype(jnp.float32)).astype(dtype)
+            + fc2_bias.astype(dtype))
   return output, fc1_output, gelu_output
 
 
@@ -94,13 +96,19 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   # The biases are not read, only their dtypes. On 16-bit inputs the products
   # read the pre-GELU gradient rounded to that dtype (`precision.for_inputs`).
   mode: DotMode = for_inputs(canonicalize(precision), hidden_state.dtype)
-  dtype = hidden_state.dtype   # every input's, and every gradient's
+  dtype = jnp.dtype(hidden_state.dtype)   # every input's, and every gradient's
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode, dtype)
   grad_fc1_output = pre_activation_grad(grad_output, fc2_weight, fc1_output, mode)
-  grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
-  if mode.operand_dtype is not None:   # the products' operand, rounded once for both
+  if dtype.itemsize == 2:
+    # On 16-bit inputs, as in jnp's autodiff, the bias gradient sums the pre-GELU
+    # gradient as stored in the input dtype: the operand of both products.
     grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
+    grad_fc1_bias = jnp.sum(grad_fc1_output.astype(jnp.float32), axis=0)
+  else:
+    grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
+    if mode.operand_dtype is not None:   # the products' operand, rounded once for both
+      grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
   grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode, dtype)
   grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode, dtype)
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
