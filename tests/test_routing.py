@@ -58,8 +58,8 @@ def test_triton_chosen_only_where_it_measured_faster(precision, seq_len, triton_
     assert triton_us < xla_us, f"routed to Triton at {triton_us:.1f} us vs XLA {xla_us:.1f} us"
 
 
-INPUT_DTYPES_RUN = (latest.REPO_ROOT / "benchmarks" / "results" / "runs" / "2026-12-01"
-                    / "input_dtypes_h200_20261201-091806.json")
+INPUT_DTYPES_RUN = (latest.REPO_ROOT
+                    / "benchmarks/results/runs/2026-12-01/input_dtypes_h200_20261201-091806.json")
 SIXTEEN_BIT = {"bf16": (jnp.bfloat16, DotMode.BF16), "f16": (jnp.float16, DotMode.F16)}
 
 
