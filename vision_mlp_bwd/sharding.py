@@ -99,6 +99,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from vision_mlp_bwd import backends
+from vision_mlp_bwd.backends.shared import in_shard_map, match_varying_axes
 from vision_mlp_bwd.problem import check_backward_args, platform
 
 __all__ = ["local_mlp_backward", "match_varying_axes", "partitioned_mlp_backward",
@@ -112,36 +113,6 @@ _SHARDING_RULE = "... h, ... h, i h, i, h i, h, ... i, ... i -> ... h, i h, i, h
 def tensor_parallel_specs(model_axis):
   """PartitionSpecs of `(fc1_weight, fc1_bias, fc2_weight, fc2_bias)` for Megatron TP."""
   return P(model_axis, None), P(model_axis), P(None, model_axis), P(None)
-
-
-def _varying_axes(x):
-  """The manual mesh axes `x` varies over inside a `shard_map` (empty elsewhere)."""
-  aval = jax.typeof(x)
-  mat = getattr(aval, "mat", None)  # JAX 0.10 / 0.11; older JAX named it `vma`
-  return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
-
-
-def in_shard_map(*arrays) -> bool:
-  """Whether any array varies over a manual mesh axis (is inside a `shard_map`)."""
-  return any(_varying_axes(x) for x in arrays)
-
-
-def match_varying_axes(*arrays):
-  """Casts each array to vary over every manual axis any of them varies over.
-
-  Inside a `shard_map` (with its default `check_vma=True`) the gradient a
-  `custom_vjp` returns must vary over the same axes as its primal input, but
-  the gradient of a replicated weight computed from sharded tokens varies over
-  the token axis. Casting the weight to varying first (what `jnp` code does
-  implicitly) fixes the types, and its transpose is the `psum` that makes the
-  weight gradient whole, exactly as for the `jnp` reference. A no-op outside
-  `shard_map` and under `check_vma=False`.
-  """
-  axes = [_varying_axes(x) for x in arrays]
-  union = frozenset().union(*axes)
-  return tuple(
-      jax.lax.pcast(x, tuple(sorted(union - own)), to="varying") if union - own else x
-      for x, own in zip(arrays, axes))
 
 
 def _explicit_mesh(arrays):

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from vision_mlp_bwd.backends.triton.kernels import out_struct
+from vision_mlp_bwd.backends.shared import out_struct
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import gelu_tanh_grad
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from vision_mlp_bwd.backends import mosaic_gpu
+from vision_mlp_bwd.backends.shared import in_shard_map
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
 from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Scales, Zeros, grouped_launch
@@ -76,7 +77,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   acts = dict(grad_output=grad_output, gelu_output=gelu_output, hidden_state=hidden_state)
   # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run;
   # not yet inside a shard_map (its manual-axis typing is untested there).
-  from vision_mlp_bwd.sharding import in_shard_map  # sharding imports this package
   mosaic = (config.launch_1_on_mosaic and operand_dtype is not None and out_dtype == jnp.float32
             and mosaic_gpu.unsupported_reason(problem, interpret) is None
             and not in_shard_map(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,

@@ -42,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct
 from vision_mlp_bwd.backends.triton.config import TileConfig
 from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, f16_scale, finite_abs,
                                       fits_speculated, kernel_dot, scaled_f16_operand)
@@ -377,17 +378,6 @@ class Scales:
     return tuple(outs)
 
 
-def out_struct(shape, dtype, like):
-  """An output varying over the same `shard_map` axes as `like` (Pallas checks that)."""
-  mat = None if like is None else getattr(jax.typeof(like), "mat", None)
-  if mat is not None:
-    try:
-      return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-    except TypeError:  # a JAX without manual-axis types on ShapeDtypeStruct
-      pass
-  return jax.ShapeDtypeStruct(shape, dtype)
-
-
 def _span(block_index, block_size, extent):
   """Indices of one tile along an axis and the mask of those inside `extent`."""
   indices = block_index * block_size + jnp.arange(block_size)
@@ -628,7 +618,6 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
               for job, ops in zip(jobs, operands, strict=True)]
   for job, ops in zip(jobs, operands):
     job.check(ops)
-  from vision_mlp_bwd.sharding import match_varying_axes  # sharding imports this module
   inputs = [x for ops in operands for x in ops] + ([out] if out is not None else [])
   inputs = list(match_varying_axes(*inputs))
   if out is not None:
