@@ -1,16 +1,21 @@
 """The Triton kernels, run in Pallas interpret mode on the CPU, against float64.
 
 Interpret mode fills every output with NaN before the kernel runs and reads
-NaN out of bounds, so a missing store or a missing mask shows up as a
-non-finite value. Tolerances per mode: fp32-class modes compute in true fp32
-on the CPU (interpret mode has no TF32), so 1e-5; bf16x3 1e-5 (its contract);
-f16 operands 2e-3 (11-bit significand, ~5e-4 observed); bf16 operands 1e-2.
+NaN out of bounds (`pallas_call(interpret=True)`), so a missing store or a
+missing mask shows up as a non-finite value, which `bounds.assert_within_bounds`
+rejects wherever the oracle is finite; the tiled-product tests also pass
+NaN-filled output buffers of their own. Every element must lie within its
+bound from tests/bounds.py for the mode (on the CPU, TF32 is computed in fp32,
+so its bound is fp32's; bf16x3 for HIGHEST; 16-bit operands with fp32
+accumulation), and where the mode rounds to a 16-bit format or is HIGHEST, the
+relative Frobenius error within `bounds.relative_frobenius_tolerance` beside.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,11 +26,11 @@ from vision_mlp_bwd.backends.triton import kernels
 from vision_mlp_bwd.backends.triton.config import Config, TileConfig
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.precision import DotMode
-from tests import helpers
+from tests import bounds, helpers
 
 F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
-TOLERANCE = {None: 1e-5, "highest": 1e-5, F16: 2e-3, BF16: 1e-2}
+F32 = jax.lax.DotAlgorithmPreset.F32_F32_F32
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 131, 300])
@@ -33,29 +38,121 @@ TOLERANCE = {None: 1e-5, "highest": 1e-5, F16: 2e-3, BF16: 1e-2}
 def test_backward_matches_float64(tokens, precision):
   hidden, intermediate = 40, 72  # not multiples of the 16/32 tiles
   inputs = helpers.backward_inputs(tokens, hidden, intermediate)
-  helpers.check_triton_backward(inputs, TOLERANCE[precision], f"S={tokens}", precision=precision)
+  helpers.check_backward(inputs, f"S={tokens}", precision=precision)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_16bit_inputs_give_16bit_outputs(dtype):
-  # Inputs are exact in fp32; the only extra error is rounding the outputs to 16 bits.
-  helpers.check_triton_backward(helpers.backward_inputs(50, 24, 56, dtype=dtype), 1e-2)
+def test_error_model_constants():
+  """The constants tests/bounds.py derives its bounds from, checked in float64 (NumPy, no
+  fp32 transcendental involved): sup |gelu'|, sup |gelu''|, the GPU GELU derivative's
+  sensitivities, and bf16x3's per-product error."""
+  x = np.linspace(-12, 12, 2_400_001)
+  d = bounds.gelu_grad64(x)
+  assert np.abs(d).max() <= bounds.GELU_GRAD_MAX
+  # gelu'' = sech^2(u) (u' - x tanh(u) u'^2 + x u'' / 2), u' = s (1 + 3 c x^2), u'' = 6 s c x
+  s, c3 = np.sqrt(2 / np.pi), 0.044715
+  u = s * (x + c3 * x ** 3)
+  du, ddu = s * (1 + 3 * c3 * x ** 2), 6 * s * c3 * x
+  second = (1 - np.tanh(u) ** 2) * (du - x * np.tanh(u) * du ** 2 + 0.5 * x * ddu)
+  assert np.abs(second).max() <= bounds.GELU_SECOND_DERIVATIVE_MAX
+  # gelu' = r + q x c(x), t = exp(-2|u|), p = 1 / (1 + t), r = p (x >= 0) or t p, q = t p^2.
+  t, c = np.exp(-2 * np.abs(u)), 2 * s * (1 + 3 * c3 * x ** 2)
+  p = 1 / (1 + t)
+  r, q = np.where(x >= 0, p, t * p), t * p * p
+  np.testing.assert_allclose(r + q * x * c, d, rtol=0, atol=2 * bounds.GELU_GRAD_FLOAT64_ERROR)
+  dr_dt = np.where(x >= 0, -p * p, p - t * p * p)
+  dq_dt = p * p - 2 * t * p ** 3
+  sensitivity = np.abs(t * (dr_dt + dq_dt * x * c))
+  float64_slack = bounds.gamma(8, bounds.U64)   # a few float64 roundings of terms <= 1
+  assert sensitivity.max() <= 0.25 + float64_slack
+  assert (2 * np.abs(u) * sensitivity).max() <= 0.33
+  assert np.abs(r + 2 * q * x * c).max() <= 1.36
+  assert (bounds.GELU_GRAD_ERROR + 0.25 * 2.0 ** -22 + 0.33 * 2.0 ** -24 + 1.36 * 2.0 ** -22
+          <= bounds.GPU_GELU_GRAD_ERROR)
+  # bf16x3: the three products of the bf16 splits of fp32 values, summed exactly.
+  rng = np.random.default_rng()
+  a, b = (np.asarray(jnp.asarray(rng.normal(size=100_000) * np.exp2(rng.integers(-30, 30, 100_000)),
+                                 jnp.float32), np.float64) for _ in range(2))
+  split = lambda v: (hi := bounds.f64(jnp.asarray(v, jnp.float32).astype(jnp.bfloat16)),
+                     bounds.f64(jnp.asarray(v - hi, jnp.float32).astype(jnp.bfloat16)))
+  (a_hi, a_lo), (b_hi, b_lo) = split(a), split(b)
+  three = a_hi * b_hi + a_hi * b_lo + a_lo * b_hi
+  assert np.all(np.abs(three - a * b) <= bounds.BF16X3_PRODUCT * np.abs(a * b))
+  assert np.all(np.abs(a_hi * b_hi) + np.abs(a_hi * b_lo) + np.abs(a_lo * b_hi)
+                <= bounds.BF16X3_PARTS * np.abs(a * b))
+
+
+def test_interpret_mode_poisons_what_a_kernel_does_not_write():
+  """What makes every finiteness check a test for unwritten elements: Pallas interpret mode
+  starts each output as NaN (`uninitialized_value`), so an element no program stores stays
+  NaN, and `assert_within_bounds` rejects NaN where the oracle is finite."""
+  from jax.experimental import pallas as pl
+
+  def first_block_only(x_ref, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = x_ref[...] * 2
+
+  x = jax.random.normal(helpers.fresh_key(), (32, 8))
+  out = pl.pallas_call(first_block_only, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
+                       grid=(2,), in_specs=[pl.BlockSpec((16, 8), lambda i: (i, 0))],
+                       out_specs=pl.BlockSpec((16, 8), lambda i: (i, 0)), interpret=True)(x)
+  chex.assert_trees_all_equal(out[:16], x[:16] * 2)
+  assert np.isnan(np.asarray(out[16:])).all()
+  oracle = bounds.f64(x) * 2
+  with pytest.raises(AssertionError, match="non-finite output where the oracle is finite"):
+    bounds.assert_within_bounds([out], [oracle], [np.abs(oracle)], jnp.float32, names=("x2",))
+
+
+def test_the_bounds_catch_what_they_should():
+  """The check is not vacuous: it names an output off by more than its bound, and the bounds of
+  one mode reject another mode's results: fp32 products that took TF32-rounded operands, f16
+  operands where HIGHEST promised fp32-class products, and (by the relative Frobenius
+  tolerance, where the worst-case bound at K = 300 cannot) bf16 operands where F16 was asked."""
+  inputs = helpers.backward_inputs(7, 40, 72)
+  run = lambda precision, arrays=inputs: vision_mlp_bwd.mlp_backward(
+      *arrays, precision=precision, implementation="xla")
+  oracle, limits = bounds.check_backward(run(F32), inputs, F32, "F32")
+  shifted = list(run(F32))
+  shifted[3] = shifted[3].at[5, 7].add(3 * float(limits[3][5, 7]))
+  with pytest.raises(AssertionError, match=r"grad_fc2_weight\[5, 7\]"):
+    bounds.assert_within_bounds(shifted, oracle, limits, jnp.float32)
+  tf32 = [jnp.asarray(helpers.tf32_operand(x), jnp.float32) if j in (0, 1, 2, 4, 7) else x
+          for j, x in enumerate(inputs)]
+  with pytest.raises(AssertionError, match="outside the bound"):
+    bounds.check_backward(run(F32, tf32), inputs, F32)
+  with pytest.raises(AssertionError, match="outside the bound"):
+    bounds.check_backward(run(F16), inputs, "highest", relative=False)
+  wide = helpers.backward_inputs(300, 40, 72)
+  oracle, _ = bounds.backward_oracle_and_bounds(wide, F16)
+  with pytest.raises(AssertionError, match="relative Frobenius error above"):
+    bounds.assert_relative_frobenius(run(BF16, wide), oracle,
+                                     bounds.relative_frobenius_tolerance(F16, jnp.float32))
+
+
+@pytest.mark.parametrize("dtype,precision", [(jnp.bfloat16, None), (jnp.float16, "highest"),
+                                             (jnp.bfloat16, F16)], ids=str)
+def test_16bit_inputs_give_16bit_outputs(dtype, precision):
+  """bf16/f16 inputs: exact products in fp32, the pre-GELU gradient rounded to the input dtype
+  (and to f16 under F16_F16_F32), outputs rounded to the input dtype."""
+  helpers.check_backward(helpers.backward_inputs(50, 24, 56, dtype=dtype), precision=precision)
 
 
 def test_triton_agrees_with_xla_backend():
+  """Both within their bounds of the oracle, so within the sum of both bounds of each other."""
   inputs = helpers.backward_inputs(33, 48, 80)
-  f32 = jax.lax.DotAlgorithmPreset.F32_F32_F32
-  ours = vision_mlp_bwd.mlp_backward(*inputs, precision=f32, implementation="triton")
-  xla = vision_mlp_bwd.mlp_backward(*inputs, precision=f32, implementation="xla")
-  for a, b in zip(ours, xla):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  ours = vision_mlp_bwd.mlp_backward(*inputs, precision=F32, implementation="triton")
+  xla = vision_mlp_bwd.mlp_backward(*inputs, precision=F32, implementation="xla")
+  oracle, limits = bounds.backward_oracle_and_bounds(inputs, F32)
+  for outs, label in ((ours, "triton"), (xla, "xla")):
+    bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, label)
+  bounds.assert_within_bounds(ours, xla, [2 * b for b in limits], jnp.float32, "triton vs xla")
 
 
 def test_leading_batch_dimensions():
   inputs = helpers.backward_inputs(None, 32, 48, batch=(3, 5))
   outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
-  assert outs[0].shape == (3, 5, 32)
-  helpers.assert_close_to_oracle(outs, helpers.backward_float64(*inputs), 1e-5)
+  chex.assert_shape(outs[0], (3, 5, 32))
+  bounds.check_backward(outs, inputs, None, "batch (3, 5)")
 
 
 def test_zero_tokens_returns_zeros_without_kernels():
@@ -64,9 +161,9 @@ def test_zero_tokens_returns_zeros_without_kernels():
       lambda *a: vision_mlp_bwd.mlp_backward(*a, implementation="triton"))(*inputs)
   assert "pallas_call" not in str(jaxpr)
   outs = vision_mlp_bwd.mlp_backward(*inputs, implementation="triton")
-  assert outs[0].shape == (0, 16)
-  for out in outs[1:]:
-    assert not np.any(np.asarray(out))
+  chex.assert_shape(outs, [(0, 16), (32, 16), (32,), (16, 32), (16,)])
+  chex.assert_type(outs, jnp.float32)
+  chex.assert_trees_all_equal(outs[1:], tuple(np.zeros(np.shape(o), np.float32) for o in outs[1:]))
 
 
 @pytest.mark.parametrize("sum_splits_in_kernel", [False, True])
@@ -119,8 +216,20 @@ def _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel):
                                        transpose_a=transpose_a, row_sums=True, out=poisoned,
                                        sum_splits_in_kernel=in_kernel, interpret=True)
   op_a = np.asarray(a, np.float64).T if transpose_a else np.asarray(a, np.float64)
-  np.testing.assert_allclose(product, op_a @ np.asarray(b, np.float64), rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+  _assert_product_and_sums(product, sums, op_a, np.asarray(b, np.float64))
+
+
+def _assert_product_and_sums(product, sums, op_a, op_b):
+  """An fp32 product (and op_a's row sums) within gamma_K |A| @ |B| of float64, every element
+  finite (the outputs were NaN-filled)."""
+  product_bound, _ = bounds.product_error(np.abs(op_a), np.abs(op_b))
+  oracle, limits = [op_a @ op_b], [product_bound]
+  if sums is not None:
+    oracle.append(op_a.sum(1))
+    limits.append(bounds.product_error(np.abs(op_a), np.ones((op_a.shape[1], 1)))[0][:, 0])
+  outs = [product] + ([sums] if sums is not None else [])
+  bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, "tiled product",
+                              names=("product", "row sums")[:len(outs)])
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
@@ -165,9 +274,8 @@ def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k, in_
   [(stored, sums)] = kernels.grouped_launch([product], [operands], mode=DotMode.F32,
                                             out=poisoned, interpret=True)
   op_a = np.asarray(a, np.float64).T
-  assert stored.shape == (n, m)
-  np.testing.assert_allclose(stored, (op_a @ np.asarray(b, np.float64).T).T, rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(sums, op_a.sum(1), rtol=1e-5, atol=1e-4)
+  chex.assert_shape(stored, (n, m))
+  _assert_product_and_sums(stored.T, sums, op_a, np.asarray(b, np.float64).T)
 
 
 def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
@@ -199,19 +307,23 @@ def test_casts_ride_along_in_a_launch_and_write_every_element(dtype):
   cast_x, cast_y, product = kernels.grouped_launch(jobs, [(x,), (y,), (a, b)], mode=DotMode.F32,
                                                    out=poisoned, interpret=True)
   for cast, source in ((cast_x, x), (cast_y, y)):
-    assert cast.shape == source.shape and cast.dtype == dtype
-    np.testing.assert_array_equal(np.asarray(cast), np.asarray(source.astype(dtype)))
-  np.testing.assert_allclose(product, np.asarray(a, np.float64) @ np.asarray(b, np.float64),
-                             rtol=1e-5, atol=1e-4)
+    chex.assert_shape(cast, source.shape)
+    chex.assert_type(cast, dtype)
+    chex.assert_trees_all_equal(cast, source.astype(dtype))
+  _assert_product_and_sums(product, None, np.asarray(a, np.float64), np.asarray(b, np.float64))
 
 
-def test_gelu_epilogue_matches_autodiff_of_gelu():
+def test_gelu_epilogue_multiplies_by_the_gelu_derivative():
+  """eye @ ones is exactly 1, so the epilogue's output is its fp32 gelu'(x), within
+  GELU_GRAD_ERROR of the float64 derivative (that of `jax.nn.gelu`, which the oracle's
+  contract formula is: tests/test_gelu.py)."""
   x = jax.random.normal(helpers.fresh_key(), (20, 36)) * 3
   ones = jnp.eye(20)
   product = kernels.tiled_matmul(ones, jnp.ones((20, 36)), gelu_input=x, tile=TileConfig(16, 16, 16),
                                  mode=DotMode.F32, out_dtype=jnp.float32, interpret=True)
-  expected = jax.vmap(jax.vmap(jax.grad(lambda v: jax.nn.gelu(v, approximate=True))))(x)
-  np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-5)
+  limit = np.full(x.shape, bounds.GELU_GRAD_ERROR + bounds.GELU_GRAD_FLOAT64_ERROR)
+  bounds.assert_within_bounds([product], [bounds.gelu_grad64(bounds.f64(x))], [limit],
+                              jnp.float32, "gelu epilogue", names=("gelu'",))
 
 
 @pytest.mark.parametrize("variant", [
@@ -247,9 +359,7 @@ def test_config_variants_compute_the_same_gradients(variant):
         config=dataclasses.replace(config, **{**variant, "fused_casts": False}), interpret=True)
     for a, b in zip(xla_casts, varied):
       np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  assert all(out.dtype == jnp.float32 for out in varied), [out.dtype for out in varied]
-  tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
-  helpers.assert_close_to_oracle(varied, helpers.backward_float64(*inputs), tolerance)
+  bounds.check_backward(varied, inputs, mode, str(variant))
 
 
 @pytest.mark.parametrize("variant", [
@@ -265,17 +375,17 @@ def test_tail_tiles_compute_the_same_gradients(variant):
   tile = TileConfig(32, 32, 32, tail_m=16, tail_k=16)
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), **variant)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
-  tolerance = 2e-3 if mode == DotMode.F16 else 1e-5
-  helpers.assert_close_to_oracle(ours, helpers.backward_float64(*inputs), tolerance)
+  bounds.check_backward(ours, inputs, mode, str(variant))
 
 
 def test_cast_pads_rows_with_zeros():
   x = jax.random.normal(helpers.fresh_key(), (13, 24)) * 100
   [out] = kernels.grouped_launch([kernels.Cast(x.shape, jnp.float16, block=64, rows=16)],
                                  [(x,)], mode=DotMode.F16, interpret=True)
-  assert out.shape == (16, 24) and out.dtype == jnp.float16
-  np.testing.assert_array_equal(np.asarray(out[:13]), np.asarray(x.astype(jnp.float16)))
-  np.testing.assert_array_equal(np.asarray(out[13:]), 0)
+  chex.assert_shape(out, (16, 24))
+  chex.assert_type(out, jnp.float16)
+  chex.assert_trees_all_equal(out[:13], x.astype(jnp.float16))
+  chex.assert_trees_all_equal(out[13:], jnp.zeros((3, 24), jnp.float16))
 
 
 def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():

@@ -3,9 +3,14 @@
 f16 keeps TF32's 11 significant bits, so operands scaled by the right power
 of two convert to f16 as exactly their TF32 roundings. These tests hold that
 to the bit for the conversion, and hold the whole backward to a float64
-oracle whose products take TF32-rounded operands: it must agree far more
-closely (1e-4) than the plain float64 oracle does (~3e-4, TF32's own error),
-also for inputs far outside f16's range and with NaN and Inf.
+oracle whose products take TF32-rounded operands (ties to even, as f16
+converts), elementwise within `bounds.tf32_on_f16_oracle_and_bounds`: there
+the only differences are fp32 accumulation (gamma_K) and the pre-GELU
+gradient, which may round to the TF32 neighbour of the oracle's (one TF32
+ulp, u = 2^-11 of it), plus the f16 subnormal grid for elements far below
+their row's or column's largest. The plain fp32 bound must fail (the TF32
+rounding did happen). Also for inputs far outside f16's range and with NaN
+and Inf.
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ from vision_mlp_bwd.backends.triton import kernels
 from vision_mlp_bwd.backends.triton.config import Config, TileConfig
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
-from tests import helpers
+from tests import bounds, helpers
 
-# fp32 accumulation in another order, and the pre-GELU gradients whose fp32
-# value sits on a TF32 rounding boundary (they move by a TF32 ulp, 2^-11,
-# where the float64 oracle rounds the other way): 1e-7 to 6.6e-5 observed on
-# the input gradient, against ~4e-4 for TF32 itself.
-TF32_ORACLE_TOLERANCE = 1e-4
+F32 = jax.lax.DotAlgorithmPreset.F32_F32_F32
+
+
+def check_tf32_products(outs, inputs, label=""):
+  """Within the TF32-operand oracle's bounds, typed fp32 and finite (chex)."""
+  oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
+  bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, label)
 
 
 def test_f16_scale_puts_the_largest_magnitude_in_2_14_to_2_15():
@@ -49,11 +56,12 @@ def test_scaled_f16_is_the_tf32_rounding_times_the_scale():
   scale = precision.f16_scale(jnp.max(jnp.abs(rows), axis=1))[:, None]
   converted = np.asarray(precision.scaled_f16_operand(rows, scale), np.float64)
   expected = np.asarray(precision.round_to_tf32(rows) * scale, np.float64)
-  # f16 rounds ties to even, TF32 (cvt.rna) away from zero: exact ties may differ.
+  # f16 rounds ties to even, TF32 (cvt.rna) away from zero: exact ties may differ, and are
+  # the TF32 rounding with ties to even (the oracle's, bounds.tf32_rne) everywhere.
   bits = np.asarray(rows).view(np.uint32) & 0x1FFF
   ties = bits == 0x1000
   np.testing.assert_array_equal(converted[~ties], expected[~ties])
-  assert np.all(np.abs(converted - expected)[ties] <= np.abs(expected[ties]) * 2.0 ** -10)
+  np.testing.assert_array_equal(converted, bounds.tf32_rne(np.asarray(rows)) * np.asarray(scale))
 
 
 @pytest.mark.parametrize("axis,parts,cast", [(0, 1, True), (1, 1, True), (0, 3, False),
@@ -74,7 +82,8 @@ def test_scales_job_gives_maxima_sums_and_the_scaled_cast(axis, parts, cast, ste
     ours, ref = np.asarray(sums, np.float64).sum(axis=0), v.sum(axis=axis)
     error = np.abs(ours - ref)
   ok = np.isfinite(ref)   # a line with NaN or Inf sums to it in both
-  assert np.all(error[ok] <= 1e-6 * np.abs(v).sum(axis=axis)[ok])
+  # fp32 partial sums of K terms, summed here in float64: gamma_K sum|v| (tests/bounds.py)
+  assert np.all(error[ok] <= bounds.gamma(v.shape[axis]) * np.abs(v).sum(axis=axis)[ok])
   np.testing.assert_array_equal(ours[~ok], ref[~ok])
   if cast:
     scale = np.asarray(precision.f16_scale(jnp.asarray(finite.max(axis=axis), jnp.float32)))
@@ -103,10 +112,10 @@ def _backward_on_f16(inputs, pre_block_m=16, sum_splits_in_kernel=False, cast_in
 def test_backward_on_f16_computes_tf32_products(tokens, pre_block_m, in_kernel, cast_inputs):
   inputs = helpers.backward_inputs(tokens, 40, 72)
   ours = _backward_on_f16(inputs, pre_block_m, in_kernel, cast_inputs)
-  helpers.assert_close_to_oracle(ours, helpers.backward_float64(
-      *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"S={tokens}")
-  # The plain oracle is further off by TF32's own error: the rounding did happen.
-  assert helpers.relative_error(ours[1], helpers.backward_float64(*inputs)[1]) > 1e-4
+  check_tf32_products(ours, inputs, f"S={tokens}")
+  # Against fp32 products' bound they fail: the TF32 rounding did happen.
+  with pytest.raises(AssertionError, match="outside the bound"):
+    bounds.check_backward(ours, inputs, F32)
 
 
 # Activations and weights far outside f16's range, and single columns far
@@ -123,8 +132,7 @@ def test_backward_on_f16_scales_operands_far_outside_f16s_range(whole):
   inputs[7] = inputs[7].at[:, 5].multiply(2.0 ** -50)
   for pre_block_m in (16, 64):
     ours = _backward_on_f16(inputs, pre_block_m, cast_inputs=pre_block_m == 64)
-    helpers.assert_close_to_oracle(ours, helpers.backward_float64(
-        *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"block_m {pre_block_m}")
+    check_tf32_products(ours, inputs, f"block_m {pre_block_m}")
 
 
 @pytest.mark.parametrize("pre_block_m", [16, 64])
@@ -156,5 +164,4 @@ def test_backward_on_f16_with_tail_tiles(in_kernel, far):
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), tf32_on_f16=True,
                   cast_inputs=not far, sum_splits_in_kernel=in_kernel)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
-  helpers.assert_close_to_oracle(ours, helpers.backward_float64(
-      *inputs, operand=helpers.tf32_operand), TF32_ORACLE_TOLERANCE, f"far={far}")
+  check_tf32_products(ours, inputs, f"far={far}")
