@@ -37,8 +37,9 @@ round-toward-zero has twice the unit roundoff. With H = eta = 0 and u_A = u_B = 
 kernels) has its own c_K, see `BF16X3_PRODUCT`.
 
 The backward, as the kernels (and the XLA reference) compute it:
-grad_gelu = grad_output @ fc2_weight (K = H); pre = grad_gelu * gelu'(fc1_output)
-in fp32, with gelu' within `gelu_grad_error` of the exact derivative and the
+grad_gelu = grad_output @ fc2_weight (K = H; on 16-bit inputs the XLA path
+returns it rounded to the input dtype, as jnp.matmul does); pre = grad_gelu *
+gelu'(fc1_output) in fp32, with gelu' within `gelu_grad_error` of the exact derivative and the
 product rounded to fp32; pre is then rounded as the mode says (to the
 16-bit operand dtype where it is stored so, to the input dtype on 16-bit
 inputs, to TF32 on the GPU's TF32 products) before it is summed
@@ -191,6 +192,10 @@ class Arithmetic:
   # TF32 on the GPU may run on f16 tensor cores (`Config.tf32_on_f16`): add the f16 subnormal
   # grid of its scaled operands (`f16_scaled_etas`), which depends on their magnitudes.
   f16_scaled: bool = False
+  # grad_output @ fc2_weight as it leaves its product, before gelu' multiplies it: on 16-bit
+  # inputs the XLA path returns it in the input dtype, as jnp.matmul does (the kernels keep
+  # it in fp32; the bound covers both).
+  grad_gelu: Rounding = EXACT
 
   def rounding(self, name):
     return dict(self.operands).get(name, self.operand)
@@ -236,7 +241,7 @@ def arithmetic(precision, dtype, platform=None) -> Arithmetic:
   target = jnp.dtype(mode.operand_dtype).name
   op = EXACT if target == name else CONVERSIONS[(name, target)]
   pre = ROUNDINGS[name] if target == name else ROUNDINGS[name].then(ROUNDINGS[target])
-  return Arithmetic(op, pre, pre, op, ROUNDINGS[name], **common)
+  return Arithmetic(op, pre, pre, op, ROUNDINGS[name], grad_gelu=ROUNDINGS[name], **common)
 
 
 def forward_arithmetic(precision, dtype, platform=None):
@@ -393,6 +398,7 @@ def backward_oracle_and_bounds(inputs, precision=None, *, platform=None, model=N
                              b_rounding=r("fc2_weight"), **kw)
   g_mag = np.abs(p_dy) @ np.abs(p_w2)
   g_abs = np.abs(g) + _oracle_slack(g_mag, h)                         # >= |exact grad_gelu|
+  g_error = g_error + ar.grad_gelu.u * (g_abs + g_error) + ar.grad_gelu.eta
   d = gelu_grad64(x)
   d_error = ar.gelu_grad_error + GELU_GRAD_FLOAT64_ERROR + GELU_SECOND_DERIVATIVE_MAX * x_error
   pre = g * d
