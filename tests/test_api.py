@@ -64,6 +64,7 @@ def check_gradient(grads, hidden_state, params, cotangent, precision="highest", 
     helpers.assert_close_to_oracle(grads, oracle, tolerance, label)
 
 
+@pytest.mark.transcendental
 class PublicPathsWithAndWithoutJit(chex.TestCase):
   """`jax.grad` of `vision_mlp` and `mlp_backward` itself hold their bounds both ways."""
 
@@ -90,6 +91,7 @@ class PublicPathsWithAndWithoutJit(chex.TestCase):
     bounds.check_backward(outs, inputs, "highest", implementation)
 
 
+@pytest.mark.transcendental
 def test_forward_matches_float64():
   hidden_state, params = params_and_input((11,))
   out = vision_mlp_bwd.vision_mlp(hidden_state, *params, precision="highest")

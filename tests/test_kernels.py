@@ -33,6 +33,7 @@ BF16 = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
 F32 = jax.lax.DotAlgorithmPreset.F32_F32_F32
 
 
+@pytest.mark.transcendental
 @pytest.mark.parametrize("tokens", [1, 7, 64, 131, 300])
 @pytest.mark.parametrize("precision", [None, "highest", F16, BF16], ids=str)
 def test_backward_matches_float64(tokens, precision):
@@ -313,6 +314,7 @@ def test_casts_ride_along_in_a_launch_and_write_every_element(dtype):
   _assert_product_and_sums(product, None, np.asarray(a, np.float64), np.asarray(b, np.float64))
 
 
+@pytest.mark.transcendental
 def test_gelu_epilogue_multiplies_by_the_gelu_derivative():
   """eye @ ones is exactly 1, so the epilogue's output is its fp32 gelu'(x), within
   GELU_GRAD_ERROR of the float64 derivative (that of `jax.nn.gelu`, which the oracle's
