@@ -490,7 +490,8 @@ def forward_oracle_and_bounds(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   """((fc1_output, gelu_output, output), their bounds) of `reference.mlp_forward`, in float64.
 
   As the forward computes: fc1_output = fl(hidden_state @ fc1_weight.T + fc1_bias), rounded
-  to the input dtype; gelu_output = the fp32 GELU of that (`GELU_ERROR_PER_X`, plus sup|gelu'|
+  to the input dtype (on 16-bit inputs the product is rounded to it first, as jnp.matmul
+  returns it, then the bias is added); gelu_output = the fp32 GELU of that (`GELU_ERROR_PER_X`, plus sup|gelu'|
   times the error of its argument), rounded to the dtype; the output likewise from
   gelu_output. Leading dimensions are kept.
   """
@@ -512,6 +513,9 @@ def forward_oracle_and_bounds(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
                                      a_rounding=op, b_rounding=op, bf16x3=bf16x3,
                                      accumulation=acc)
     error = error + _oracle_slack(magnitude, k)
+    if out_round != EXACT:   # 16-bit inputs: the product leaves in the input dtype
+      product = np.abs(act @ weight.T) + _oracle_slack(magnitude, k)
+      error = error + out_round.u * (product + error) + out_round.eta
     total = np.abs(value) + _oracle_slack(magnitude + np.abs(bias), k + 1)   # >= |exact|
     error = error + (acc + U64) * (total + error) + ROUNDINGS["float32"].eta  # the bias add
     return value, _finish(error, None, value, out_round)

@@ -9,6 +9,7 @@ than what jnp's autodiff of the same model saves.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -19,7 +20,7 @@ from jax import lax
 
 import vision_mlp_bwd
 from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs
-from tests import helpers
+from tests import bounds, helpers
 
 SIXTEEN_BIT = (jnp.bfloat16, jnp.float16)
 THIRTY_TWO_BIT_PRECISIONS = (None, "default", "high", "highest", lax.Precision.HIGHEST,
@@ -96,3 +97,30 @@ def test_residuals_stay_in_the_input_dtype_and_are_no_larger_than_plain_autodiff
   # Besides the arguments, the two [S, I] activations and nothing else.
   activations = [r for r in saved if r.shape == (40, 96)]
   assert len(activations) == 2
+
+
+@pytest.mark.transcendental
+@pytest.mark.parametrize("implementation", ["triton", "xla"])
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "f16"])
+def test_16_bit_gradients_match_float64_and_are_no_worse_than_plain_autodiff(dtype,
+                                                                               implementation):
+  """The gradient of sum(vision_mlp(x) * cotangent) on 16-bit inputs: within the bounds of
+  tests/bounds.py (16-bit roundings of the operands, the pre-GELU gradient and the outputs)
+  of the float64 gradient of the model, and, per gradient, no further from it in relative
+  Frobenius error than jnp's autodiff of the plain model in the same dtype, measured in the
+  same test, or than the stated random-rounding estimate (`REL_FROBENIUS_GROWTH` u)."""
+  hidden_state, params = _params(dtype, hidden=24, intermediate=56, tokens=37)
+  cotangent = jax.random.normal(helpers.fresh_key(), hidden_state.shape).astype(dtype)
+  loss = lambda f: lambda x, *p: jnp.sum((f(x, *p) * cotangent).astype(jnp.float32))
+  ours = jax.jit(jax.grad(loss(functools.partial(vision_mlp_bwd.vision_mlp,
+                                                 implementation=implementation)),
+                          argnums=(0, 1, 2, 3, 4)))(hidden_state, *params)
+  plain = jax.grad(loss(plain_mlp), argnums=(0, 1, 2, 3, 4))(hidden_state, *params)
+  oracle, limits = bounds.gradient_oracle_and_bounds(cotangent, hidden_state, params, None)
+  names = ("d hidden_state", "d fc1_weight", "d fc1_bias", "d fc2_weight", "d fc2_bias")
+  bounds.assert_within_bounds(ours, oracle, limits, [dtype] * 5, implementation, names=names)
+  estimate = bounds.relative_frobenius_tolerance(None, dtype)
+  for name, mine, theirs, ref in zip(names, ours, plain, oracle):
+    assert theirs.dtype == dtype
+    error, plain_error = helpers.relative_error(mine, ref), helpers.relative_error(theirs, ref)
+    assert error <= max(plain_error, estimate), (name, error, plain_error, estimate)
