@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from benchmarks import gelu_forms
 from benchmarks.timing import Timing, device_times_us
-from vision_mlp_bwd.backends.triton.config import TileConfig, default_config, on_f16_config
+from vision_mlp_bwd.backends.triton.config import TileConfig, default_config
 from vision_mlp_bwd.backends.triton.kernels import tiled_matmul
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
@@ -74,15 +74,13 @@ _AXES = {
 }
 
 
-def neighbours(role, tile, s, weights_on_left=False):
+def neighbours(role, tile, s):
   """Tiles one step away from `tile` along one axis (coordinate search).
 
-  The S side of a product with a weight (block_m, or block_n when the
-  product is computed transposed, `Config.weights_on_left`) stays <= S.
+  The S side of a product with a weight (block_m) stays <= S.
   """
   out = []
-  s_axis = (None if role in ("weight_grads", "fc1_weight_grad") else
-            "block_n" if weights_on_left else "block_m")
+  s_axis = None if role == "weight_grads" else "block_m"
   for axis, values in _AXES.items():
     if axis == "split_k" and role == "pre_activation":
       continue
@@ -121,27 +119,20 @@ def launch(role, tile, mode, s, h, i):
 # Whole-backward variants of the default Config, by name (see Config's fields).
 VARIANTS = {
     "default": {},
-    "separate": dict(group_launches=False),
     "cast_inputs": dict(cast_inputs=True),
     "cast_all": dict(cast_inputs=True, cast_weights=True),
     "k_major": dict(k_major_weight_grads=True),
-    "k_major_all": dict(k_major_weight_grads=True, k_major_weights=True),
-    "cast_all_k_major": dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
 }
 
 
-def variant_config(config, name, problem=None):
+def variant_config(config, name):
   """`config` changed as the variant `name` says: a name of VARIANTS, or overrides
-  such as `weight_grads.tiles_per_program=2,cast_inputs=1` (comma-separated;
-  `role.field` reaches into that role's TileConfig). A first item `on_f16`
-  starts from `on_f16_config(problem)` instead of `config`."""
+  such as `weight_grads.block_k=32,cast_inputs=1` (comma-separated;
+  `role.field` reaches into that role's TileConfig)."""
   if name in VARIANTS:
     return dataclasses.replace(config, **VARIANTS[name])
-  items = name.split(",")
-  if items[0] == "on_f16":
-    config, items = on_f16_config(problem), items[1:]
-  changes = {}   # applied at once: Config checks combinations of fields
-  for item in items:
+  changes = {}   # applied at once
+  for item in name.split(","):
     path, _, value = item.partition("=")
     role, _, field = path.rpartition(".")
     if not value or not hasattr(config if not role else _role_tile(config, role), field):
@@ -157,8 +148,6 @@ def variant_config(config, name, problem=None):
 
 def _role_tile(config, role):
   """The TileConfig serving `role`, or None if `config` has no such role."""
-  if role == "fc1_weight_grad":
-    return config.fc1_weight_grad_tile
   return getattr(config, role, None)
 
 
@@ -174,7 +163,7 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
     config = default_config(problem)
     inputs = make_inputs(jax.random.key(s), s, h, i)
     fns = {name: functools.partial(triton_backend.backward, problem=problem,
-                                   config=variant_config(config, name, problem))
+                                   config=variant_config(config, name))
            for name in names}
     fns["xla"] = functools.partial(reference.mlp_backward, precision=mode)
     times = {}
@@ -196,13 +185,11 @@ def compare_variants(seq_lens, modes, names, h, i, iterations):
 
 
 # The grouped launches take warps and pipeline depth from their first product
-# (pre_activation, input_grad), so the weight-gradient tiles search neither.
-# Until a Config sets fc1_weight_grad, weight_grads' steps move both weight
-# gradients and fc1_weight_grad's move launch 2's alone.
+# (pre_activation, input_grad), so the weight-gradient tiles (one for both
+# weight gradients) search neither.
 _LAUNCH_AXES = {
     "pre_activation": ("block_m", "block_n", "block_k", "num_warps", "num_stages"),
     "weight_grads": ("block_m", "block_n", "block_k"),
-    "fc1_weight_grad": ("block_m", "block_n", "block_k"),
     "input_grad": ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages"),
 }
 
@@ -211,31 +198,17 @@ def config_neighbours(config, s, sixteen_bit):
   """Configs one step from `config` along one axis of one role, or one layout flag flipped."""
   out = []
   for role, axes in _LAUNCH_AXES.items():
-    for tile in neighbours(role, _role_tile(config, role), s, config.weights_on_left):
+    for tile in neighbours(role, _role_tile(config, role), s):
       changed = [a for a in axes if getattr(tile, a) != getattr(_role_tile(config, role), a)]
       if changed:
         out.append(dataclasses.replace(config, **{role: tile}))
   # 16-bit tiles transpose for free, so K-major copies are a 32-bit question.
-  flags = ("cast_inputs", "cast_weights") if sixteen_bit else (
-      "k_major_weight_grads", "k_major_weights", "xla_weight_products")
+  flags = ("cast_inputs", "cast_weights") if sixteen_bit else ("k_major_weight_grads",)
   flags += ("sum_splits_in_kernel",)
   if sixteen_bit and config.cast_inputs:   # fused_casts changes nothing without cast_inputs
     flags += ("fused_casts",)
-  changes = [{flag: not getattr(config, flag)} for flag in flags]
-  if not sixteen_bit:  # the same tiles, transposed along with their products
-    changes.append(dict(
-        weights_on_left=not config.weights_on_left,
-        **{role: _transposed(getattr(config, role)) for role in ("pre_activation", "input_grad")}))
-  for change in changes:
-    try:
-      out.append(dataclasses.replace(config, **change))
-    except ValueError:  # flags that exclude each other
-      pass
+  out += [dataclasses.replace(config, **{flag: not getattr(config, flag)}) for flag in flags]
   return out
-
-
-def _transposed(tile):
-  return dataclasses.replace(tile, block_m=tile.block_n, block_n=tile.block_m)
 
 
 def search_configs(seq_lens, modes, h, i, rounds, iterations, out_path, seeds=()):

@@ -196,13 +196,11 @@ def test_results_are_bitwise_deterministic():
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])
-@pytest.mark.parametrize("split_k,tiles_per_program,in_kernel", [
-    (1, 1, False), (3, 1, False), (1, 3, False), (2, 2, False), (3, 1, True), (2, 2, True),
-    (2, 3, True)])
-def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k,
-                                                                  tiles_per_program, in_kernel):
-  m, n, k = 37, 32 * tiles_per_program + 5, 70  # tiles_per_program + 1 n blocks: a ragged group
-  tile = TileConfig(16, 32, 16, split_k=split_k, tiles_per_program=tiles_per_program)
+@pytest.mark.parametrize("split_k,in_kernel", [(1, False), (2, False), (3, False), (2, True),
+                                               (3, True)])
+def test_tiled_matmul_writes_every_element_of_a_poisoned_output(transpose_a, split_k, in_kernel):
+  m, n, k = 37, 69, 70  # ragged in every dimension: 3 x 3 tiles, the last ones partial
+  tile = TileConfig(16, 32, 16, split_k=split_k)
   _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel)
 
 
@@ -235,48 +233,47 @@ def _assert_product_and_sums(product, sums, op_a, op_b):
 
 @pytest.mark.parametrize("transpose_a", [False, True])
 @pytest.mark.parametrize("split_k,in_kernel", [(1, False), (2, False), (2, True)])
-def test_tail_rows_and_a_narrow_last_step_write_every_element(transpose_a, split_k, in_kernel):
-  m, n, k = 37, 45, 70    # M = 32 + 5: a 16-row tail; K = 64 + 6: unsplit, a 16-deep last step
-  tile = TileConfig(32, 32, 64, split_k=split_k, tail_m=16, tail_k=16)
+def test_tail_rows_write_every_element(transpose_a, split_k, in_kernel):
+  m, n, k = 37, 45, 70    # M = 32 + 5: a 16-row tail
+  tile = TileConfig(32, 32, 64, split_k=split_k, tail_m=16)
   product = kernels.Product(m, n, k, tile, jnp.dtype(jnp.float32))
   assert product.grid[0] == 1 and product.tail_rows == 16
-  assert product.k_steps == ((1, 16) if split_k == 1 else (1, 0))
   _check_poisoned_product(m, n, k, tile, transpose_a, in_kernel)
 
 
-def test_tails_only_just_past_one_block_or_step():
-  tile = TileConfig(64, 32, 64, tail_m=32, tail_k=16)
+def test_tails_only_just_past_one_block():
+  tile = TileConfig(64, 32, 64, tail_m=32)
   for m, tail in [(64, 0), (65, 32), (96, 32), (97, 0), (200, 0)]:
     product = kernels.Product(m, 40, 48, tile, jnp.dtype(jnp.float32))
     assert product.tail_rows == tail, m
     assert product.grid[0] == (1 if tail else -(-m // 64)), m
-  for k, steps in [(64, (1, 0)), (65, (1, 16)), (80, (1, 16)), (81, (2, 0)), (7, (0, 16))]:
-    assert kernels.Product(40, 40, k, tile, jnp.dtype(jnp.float32)).k_steps == steps, k
-  for bad in (dict(tail_m=64), dict(tail_m=24), dict(tail_k=8)):
-    with pytest.raises(ValueError, match="tail_"):
+  for bad in (dict(tail_m=64), dict(tail_m=24), dict(tail_m=8)):
+    with pytest.raises(ValueError, match="tail_m"):
       TileConfig(64, 32, 64, **bad)
 
 
 @pytest.mark.parametrize("split_k,in_kernel", [(1, False), (3, False), (3, True)])
-def test_transposed_store_writes_every_element_of_a_poisoned_output(split_k, in_kernel):
+def test_transposed_operands_write_every_element_of_a_poisoned_output(split_k, in_kernel):
+  """Both operands stored transposed, the left one through registers: the weight gradients
+  of `Config.k_major_weight_grads`."""
   m, n, k = 37, 85, 70
   key = helpers.fresh_key()
   a = jax.random.normal(key, (k, m))                          # stored [K, M]
   b = jax.random.normal(jax.random.fold_in(key, 1), (n, k))   # stored [N, K]
   product = kernels.Product(m, n, k, TileConfig(16, 32, 16, split_k=split_k),
                             jnp.dtype(jnp.float32), transpose_a=True, transpose_b=True,
-                            store_transposed=True, row_sums=True, sum_splits_in_kernel=in_kernel)
+                            row_sums=True, lhs_in_registers=True, sum_splits_in_kernel=in_kernel)
   # The counters come from a Zeros job of an earlier launch, as in the backward.
   [counters] = kernels.grouped_launch([kernels.Zeros(product.tiles, block=16)], [()],
                                       mode=DotMode.F32, interpret=True)
   assert counters.shape == (product.tiles,) and not counters.any()
   operands = (a, b, counters) if in_kernel else (a, b)
-  poisoned = jnp.full(((1 if in_kernel else split_k) * n, m), jnp.nan, jnp.float32)
-  [(stored, sums)] = kernels.grouped_launch([product], [operands], mode=DotMode.F32,
-                                            out=poisoned, interpret=True)
-  op_a = np.asarray(a, np.float64).T
-  chex.assert_shape(stored, (n, m))
-  _assert_product_and_sums(stored.T, sums, op_a, np.asarray(b, np.float64).T)
+  poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
+  [(product_out, sums)] = kernels.grouped_launch([product], [operands], mode=DotMode.F32,
+                                                 out=poisoned, interpret=True)
+  chex.assert_shape(product_out, (m, n))
+  _assert_product_and_sums(product_out, sums, np.asarray(a, np.float64).T,
+                           np.asarray(b, np.float64).T)
 
 
 def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
@@ -329,19 +326,10 @@ def test_gelu_epilogue_multiplies_by_the_gelu_derivative():
 
 
 @pytest.mark.parametrize("variant", [
-    dict(group_launches=False), dict(k_major_weight_grads=True, k_major_weights=True),
-    dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
-    dict(cast_inputs=True, fused_casts=True),
-    dict(cast_inputs=True, fused_casts=True, group_launches=False),
-    dict(weights_on_left=True), dict(weights_on_left=True, k_major_weights=True),
-    dict(weights_on_left=True, k_major_weight_grads=True, group_launches=False),
-    dict(cast_inputs=True, fused_casts=True, weights_on_left=True),
-    dict(xla_weight_products=True, k_major_weight_grads=True),
-    dict(cast_inputs=True, fused_casts=True, xla_weight_products=True),
-    dict(sum_splits_in_kernel=True), dict(sum_splits_in_kernel=True, group_launches=False),
-    dict(sum_splits_in_kernel=True, weights_on_left=True),
-    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True),
-    dict(fc1_weight_grad=TileConfig(32, 16, 32))], ids=str)
+    dict(k_major_weight_grads=True), dict(cast_inputs=True),
+    dict(cast_inputs=True, cast_weights=True), dict(cast_inputs=True, fused_casts=True),
+    dict(sum_splits_in_kernel=True), dict(sum_splits_in_kernel=True, k_major_weight_grads=True),
+    dict(sum_splits_in_kernel=True, cast_inputs=True, fused_casts=True)], ids=str)
 def test_config_variants_compute_the_same_gradients(variant):
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem
@@ -349,12 +337,8 @@ def test_config_variants_compute_the_same_gradients(variant):
   inputs = helpers.backward_inputs(29, 40, 56)
   problem = Problem(29, 40, 56, jnp.dtype(jnp.float32), mode)
   config = triton_backend.interpret_config(problem)
-  base = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   varied = triton_backend.backward(*inputs, problem=problem,
                                    config=dataclasses.replace(config, **variant), interpret=True)
-  if variant == dict(group_launches=False):
-    for a, b in zip(base, varied):  # the same tiles in the same order: bit for bit
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   if variant.get("fused_casts"):  # Pallas rounds to f16 as XLA's convert does: bit for bit
     xla_casts = triton_backend.backward(
         *inputs, problem=problem,
@@ -365,16 +349,16 @@ def test_config_variants_compute_the_same_gradients(variant):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(), dict(sum_splits_in_kernel=True), dict(weights_on_left=True),
+    dict(), dict(sum_splits_in_kernel=True), dict(k_major_weight_grads=True),
     dict(cast_inputs=True, fused_casts=True)], ids=str)
 def test_tail_tiles_compute_the_same_gradients(variant):
-  # S = 37 = 32 + 5 and H = 40 = 32 + 8: 16-row tails; K = S: a 16-deep last step.
+  # S = 37 = 32 + 5 and H = 40 = 32 + 8: 16-row tails.
   from vision_mlp_bwd.backends import triton as triton_backend
   from vision_mlp_bwd.problem import Problem
   mode = DotMode.F16 if "cast_inputs" in variant else DotMode.F32
   inputs = helpers.backward_inputs(37, 40, 56)
   problem = Problem(37, 40, 56, jnp.dtype(jnp.float32), mode)
-  tile = TileConfig(32, 32, 32, tail_m=16, tail_k=16)
+  tile = TileConfig(32, 32, 32, tail_m=16)
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), **variant)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   bounds.check_backward(ours, inputs, mode, str(variant))
@@ -397,8 +381,7 @@ def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():
   fused = dict(cast_inputs=True, fused_casts=True, mosaic_launch_1=True)
   assert Config(tile, tile, tile, **fused).launch_1_on_mosaic
   for other in (dict(cast_inputs=False, fused_casts=False), dict(fused_casts=False),
-                dict(cast_weights=True), dict(group_launches=False), dict(weights_on_left=True),
-                dict(mosaic_launch_1=False)):
+                dict(cast_weights=True), dict(mosaic_launch_1=False)):
     assert not Config(tile, tile, tile, **{**fused, **other}).launch_1_on_mosaic, other
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
   assert "interpret mode" in mosaic_gpu.unsupported_reason(problem, interpret=True)

@@ -47,8 +47,7 @@ def casts_launches(config, mode):
 def test_seed_cases_lower_to_two_triton_launches(tokens, mode):
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = triton_backend.default_config(problem)
-  launches = 1 if config.xla_weight_products else 2
-  assert lower_for_cuda(problem).count(TRITON_CALL) == launches + casts_launches(config, mode)
+  assert lower_for_cuda(problem).count(TRITON_CALL) == 2 + casts_launches(config, mode)
 
 
 @pytest.mark.parametrize("hidden,intermediate", [(768, 3072), (1024, 4096), (1152, 4304),
@@ -56,45 +55,20 @@ def test_seed_cases_lower_to_two_triton_launches(tokens, mode):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_other_model_sizes_lower(hidden, intermediate, dtype):
   problem = Problem(197, hidden, intermediate, jnp.dtype(dtype), DotMode.TF32)
-  config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=False)
+  config = triton_backend.default_config(problem)
   launches = 2 + casts_launches(config, DotMode.TF32) * (dtype == jnp.float32)
   assert lower_for_cuda(problem, dtype, config).count(TRITON_CALL) == launches  # every kernel
 
 
-def test_separate_launches_lower_to_four():
-  problem = Problem(4096, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
-  config = dataclasses.replace(triton_backend.default_config(problem), group_launches=False)
-  assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 4
-
-
-@pytest.mark.parametrize("variant", [
-    dict(k_major_weight_grads=True, k_major_weights=True),
-    dict(cast_inputs=True, cast_weights=True, k_major_weights=True),
-    dict(weights_on_left=True, k_major_weight_grads=True)], ids=str)
+@pytest.mark.parametrize("variant", [dict(k_major_weight_grads=True),
+                                     dict(cast_inputs=True, cast_weights=True)], ids=str)
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
 def test_config_variants_lower(variant, mode):
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = dataclasses.replace(triton_backend.default_config(problem), fused_casts=False,
-                               xla_weight_products=False, tf32_on_f16=False,  # layouts of fp32
+                               tf32_on_f16=False,  # layouts of fp32
                                **variant)
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 2
-
-
-@pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
-def test_xla_weight_products_lower_to_one_launch_and_two_dots(mode):
-  problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
-                               k_major_weights=False, tf32_on_f16=False)
-  text = lower_for_cuda(problem, config=config)
-  assert text.count(TRITON_CALL) == 1 + casts_launches(config, mode)
-  assert text.count("stablehlo.dot_general") == 2
-
-
-def test_xla_weight_products_exclude_kernel_weight_layouts():
-  problem = Problem(256, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
-  with pytest.raises(ValueError, match="xla_weight_products"):
-    dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=True,
-                        weights_on_left=True)
 
 
 @pytest.mark.parametrize("mode", [DotMode.F16, DotMode.BF16], ids=lambda m: m.value)
@@ -109,21 +83,11 @@ def test_fused_casts_lower_as_one_launch_instead_of_three_converts(mode):
   assert (fused.count("stablehlo.convert"), in_xla.count("stablehlo.convert")) == (0, 3)
 
 
-def test_several_tiles_per_program_lower():
-  problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
-  config = triton_backend.default_config(problem)
-  config = dataclasses.replace(
-      config, weight_grads=dataclasses.replace(config.weight_grads, tiles_per_program=4),
-      pre_activation=dataclasses.replace(config.pre_activation, tiles_per_program=2))
-  assert (lower_for_cuda(problem, config=config).count(TRITON_CALL)
-          == 2 + casts_launches(config, problem.mode))
-
-
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
 @pytest.mark.parametrize("tokens", [64, 131, 256])
 def test_splits_summed_in_kernel_lower_without_the_reduction(tokens, mode):
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  config = dataclasses.replace(triton_backend.default_config(problem), xla_weight_products=False)
+  config = triton_backend.default_config(problem)
   after = lower_for_cuda(problem, config=dataclasses.replace(config, sum_splits_in_kernel=False))
   within = lower_for_cuda(problem, config=dataclasses.replace(config, sum_splits_in_kernel=True))
   launches = 2 + casts_launches(config, mode)
@@ -135,18 +99,18 @@ def test_splits_summed_in_kernel_lower_without_the_reduction(tokens, mode):
 @pytest.mark.parametrize("tokens", [t for t in SEQ_LENS if t <= 256])
 def test_tf32_on_f16_lowers_to_three_triton_launches(tokens):
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), DotMode.TF32)
-  config = triton_backend.config.on_f16_config(problem)
+  # The table's TF32-on-f16 row; at S=64, where the table keeps the fp32 operands, S=65's.
+  config = triton_backend.default_config(dataclasses.replace(problem, tokens=max(tokens, 65)))
+  assert config.tf32_on_f16
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
 
 
 @pytest.mark.parametrize("mode", [DotMode.TF32, DotMode.F16], ids=lambda m: m.value)
 def test_tail_tiles_lower(mode):
-  # S = 131: 128 + 3 rows; the tables' tail rows, and a 16-deep last step over S.
+  # S = 131: 128 + 3 rows; the tables' rows with a 16-row tail.
   problem = Problem(131, 1280, 3584, jnp.dtype(jnp.float32), mode)
   config = triton_backend.default_config(problem)
   assert config.pre_activation.tail_m == 16
-  config = dataclasses.replace(config, weight_grads=dataclasses.replace(
-      config.weight_grads, tail_k=16))
   assert lower_for_cuda(problem, config=config).count(TRITON_CALL) == 3
 
 

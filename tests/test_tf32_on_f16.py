@@ -150,9 +150,8 @@ def test_backward_on_f16_propagates_nan_and_inf_like_the_reference(pre_block_m):
 
 
 # S = 37 = 32 + 5: the pre-activation and input-gradient tiles of one block of
-# rows with a 16-row tail, the weight gradients' K = S ending with a 16-deep
-# step; with scaled inputs the speculated weight scales miss, so the redo path
-# runs with the tails too.
+# rows with a 16-row tail; with scaled inputs the speculated weight scales
+# miss, so the redo path runs with the tails too.
 @pytest.mark.parametrize("in_kernel,far", [(False, False), (True, False), (False, True)])
 def test_backward_on_f16_with_tail_tiles(in_kernel, far):
   inputs = list(helpers.backward_inputs(37, 40, 72))
@@ -160,7 +159,7 @@ def test_backward_on_f16_with_tail_tiles(in_kernel, far):
     for index, exponent in [(0, -40), (2, 20), (4, -30)]:
       inputs[index] = inputs[index] * 2.0 ** exponent
   problem = Problem(37, 40, 72, jnp.dtype(jnp.float32), DotMode.TF32)
-  tile = TileConfig(32, 32, 32, tail_m=16, tail_k=16)
+  tile = TileConfig(32, 32, 32, tail_m=16)
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), tf32_on_f16=True,
                   cast_inputs=not far, sum_splits_in_kernel=in_kernel)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)

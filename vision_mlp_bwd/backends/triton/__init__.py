@@ -8,17 +8,14 @@ Launch 2: `grad_hidden_state = grad_fc1_output @ fc1_weight` beside
 The input gradient's contraction (K = I) is split; its partials are summed
 after launch 2 or, with `Config.sum_splits_in_kernel`, by the last program of
 each tile (counters zeroed in launch 1).
-`Config.group_launches=False` runs the four products as four launches.
 16-bit modes may cast the fp32 activations first (`Config.cast_inputs`), in
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
 for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 On Hopper, 16-bit modes may run launch 1 as one Mosaic GPU grid instead
 (`Config.mosaic_launch_1`, `mosaic_gpu.launch_1`); the casts launch then also
 casts `hidden_state` and zeroes the counters, and launch 2 sums `grad_fc2_bias`.
-In 32-bit modes the Config may change operand layouts for the tensor cores
-(`Config.k_major_weight_grads`, `k_major_weights`, `weights_on_left`), or
-leave the two products with a weight to XLA (`Config.xla_weight_products`).
-TF32 may instead run every product on f16 tensor cores with exact
+In 32-bit modes the weight gradients may read K-major copies of their right
+operands (`Config.k_major_weight_grads`). TF32 may instead run every product on f16 tensor cores with exact
 power-of-two scales (`Config.tf32_on_f16`, `_backward_on_f16`: a casts
 launch, then the same two launches).
 
@@ -41,7 +38,6 @@ from vision_mlp_bwd.backends.triton.config import (
 from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Scales, Zeros, grouped_launch
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
-from vision_mlp_bwd.reference import input_grad, pre_activation_grad
 
 __all__ = ["BACKEND", "Config", "TileConfig", "backward", "default_config", "interpret_config"]
 
@@ -66,10 +62,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
 
   def launch(jobs, name):
-    """Runs (job, operands) pairs grouped in one launch, or one launch each."""
-    if config.group_launches:
-      return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
-    return [run([p], [o], name=f"{name}_{n}")[0] for n, (p, o) in enumerate(jobs)]
+    """Runs (job, operands) pairs grouped in one launch."""
+    return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
 
   if config.tf32_on_f16 and problem.mode == DotMode.TF32 and problem.dtype == jnp.float32:
     return _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
@@ -86,34 +80,26 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   if operand_dtype is not None and config.cast_inputs and problem.dtype != operand_dtype:
     if not config.fused_casts:
       acts = {name: x.astype(operand_dtype) for name, x in acts.items()}
-    elif config.xla_weight_products or mosaic:   # no Triton launch 1 to cast hidden_state
+    elif mosaic:   # no Triton launch 1 to cast hidden_state
       early = list(acts)
     else:
       early, late = ["grad_output", "gelu_output"], ["hidden_state"]
   if operand_dtype is not None and config.cast_weights:
     fc1_weight, fc2_weight = fc1_weight.astype(operand_dtype), fc2_weight.astype(operand_dtype)
-  if config.k_major_weights:  # fc2_weight.T is [I, H] = [N, K] of the first product
-    fc1_weight, fc2_weight = fc1_weight.T, fc2_weight.T
   # The pre-GELU gradient is only ever a matmul operand: 16-bit modes store it
   # in their operand dtype, which halves its traffic and rounds it as the
   # products would anyway.
   pre_dtype = jnp.dtype(operand_dtype or jnp.float32)
 
   def by_weight(tile, dtype, x, weight, gelu_input=None, counters=None):
-    """`x @ weight` (M=S) as a job, computed as such or transposed (`Config.weights_on_left`).
+    """`x @ weight` (M=S) as a job.
 
     `x` may be a shape only, for the Product alone; `counters` are its arrival
     counters (`Product.sum_splits_in_kernel`)."""
-    (m, k), n = getattr(x, "shape", x), weight.shape[0 if config.k_major_weights else 1]
-    options = dict(fuse_gelu=gelu_input is not None,
-                   sum_splits_in_kernel=config.sum_splits_in_kernel)
+    (m, k), n = getattr(x, "shape", x), weight.shape[1]
     extra = tuple(e for e in (gelu_input, counters) if e is not None)
-    if config.weights_on_left:  # the weight is the left operand of C.T, [N, S]
-      return (Product(n, m, k, tile, dtype, transpose_a=not config.k_major_weights,
-                      transpose_b=True, store_transposed=True, lhs_in_registers=True, **options),
-              (weight, x, *extra))
-    return (Product(m, n, k, tile, dtype, transpose_b=config.k_major_weights, **options),
-            (x, weight, *extra))
+    return (Product(m, n, k, tile, dtype, fuse_gelu=gelu_input is not None,
+                    sum_splits_in_kernel=config.sum_splits_in_kernel), (x, weight, *extra))
 
   def weight_grad(g, z, tile):
     """`g.T @ z` over the S rows, with the column sums of `g` (a bias gradient)."""
@@ -125,8 +111,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
 
   # Launch 2's split input gradient may count arrivals in counters zeroed before.
   input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
-  counters = ([(Zeros(input_grad_product.tiles), ())]
-              if input_grad_product.counts_arrivals and not config.xla_weight_products else [])
+  counters = [(Zeros(input_grad_product.tiles), ())] if input_grad_product.counts_arrivals else []
   if early:
     padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
@@ -136,41 +121,32 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
     acts.update(zip(early, outs))
     zeroed = outs[len(early):]   # the counters, if any
-  if config.xla_weight_products:
-    grad_pre = pre_activation_grad(acts["grad_output"], fc2_weight, fc1_output,
-                                   problem.mode).astype(pre_dtype)
-    (grad_fc2_weight, grad_fc2_bias), (grad_fc1_weight, grad_fc1_bias) = launch(
-        [weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
-         weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile)],
-        "mlp_backward_weight_grads")
-    grad_hidden_state = input_grad(grad_pre, fc1_weight, problem.mode).astype(out_dtype)
+  # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
+  # (and the zeroed arrival counters of its split input gradient, if any).
+  if mosaic:
+    grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
+                                                    acts["gelu_output"])
   else:
-    # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
-    # (and the zeroed arrival counters of its split input gradient, if any).
-    if mosaic:
-      grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
-                                                      acts["gelu_output"])
-    else:
-      grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
-          by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
-                    fc1_output),
-          weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
-          *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
-          *counters,
-      ], "mlp_backward_1")
-      acts.update(zip(late, rest))
-      zeroed = rest[len(late):]
-    # Triton's launch 1 sums grad_output's columns in grad_fc2_weight's programs;
-    # with the Mosaic one, a job of launch 2 does.
-    fc2_bias_job = [(_over_columns(grad_output.shape, sums=True), (grad_output,))] if mosaic else []
-    grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *column_sums = launch([
-        by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
-                  counters=zeroed[0] if counters else None),
-        weight_grad(grad_pre, acts["hidden_state"], config.fc1_weight_grad_tile),
-        *fc2_bias_job,
-    ], "mlp_backward_2")
-    if mosaic:   # the Scales job's (column maxima, column sums [1, H])
-      _, (grad_fc2_bias,) = column_sums[0]
+    grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([
+        by_weight(config.pre_activation, pre_dtype, acts["grad_output"], fc2_weight,
+                  fc1_output),
+        weight_grad(acts["grad_output"], acts["gelu_output"], config.weight_grads),
+        *[(Cast(acts[n].shape, operand_dtype), (acts[n],)) for n in late],
+        *counters,
+    ], "mlp_backward_1")
+    acts.update(zip(late, rest))
+    zeroed = rest[len(late):]
+  # Triton's launch 1 sums grad_output's columns in grad_fc2_weight's programs;
+  # with the Mosaic one, a job of launch 2 does.
+  fc2_bias_job = [(_over_columns(grad_output.shape, sums=True), (grad_output,))] if mosaic else []
+  grad_hidden_state, (grad_fc1_weight, grad_fc1_bias), *column_sums = launch([
+      by_weight(config.input_grad, out_dtype, grad_pre, fc1_weight,
+                counters=zeroed[0] if counters else None),
+      weight_grad(grad_pre, acts["hidden_state"], config.weight_grads),
+      *fc2_bias_job,
+  ], "mlp_backward_2")
+  if mosaic:   # the Scales job's (column maxima, column sums [1, H])
+    _, (grad_fc2_bias,) = column_sums[0]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(out_dtype),
           grad_fc2_weight, grad_fc2_bias.astype(out_dtype))
 
@@ -230,7 +206,7 @@ def _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
   grad_pre, pre_row_max, pre_col_sums, pre16, pre16_bound = pre
   grad_hidden_state, grad_fc1_weight, (_, grad_fc1_bias) = launch([
       (input_grad, (grad_pre, fc1_weight, pre_row_max, *zeros)),
-      (Product(i, h, s, config.fc1_weight_grad_tile, f32, transpose_a=True, scaled_f16=True),
+      (Product(i, h, s, config.weight_grads, f32, transpose_a=True, scaled_f16=True),
        (pre16, x16, pre16_bound, x_max)),
       (Scales(pre_col_sums.shape, axis=0, sums=True, block=128, step=pl.next_power_of_2(pre_col_sums.shape[0])),
        (pre_col_sums,)),   # the bias gradient: the sum of the partial sums

@@ -22,33 +22,24 @@ class TileConfig:
   split_k: int = 1        # programs that share one output tile's contraction
   num_warps: int = 4
   num_stages: int = 3
-  # Output tiles (consecutive along N) one program computes in turn, so its
-  # stores of one tile overlap the loads of the next. Measured slower on the
-  # H200 at S <= 256 (benchmarks/NOTES.md, section 8), hence 1 everywhere.
-  tiles_per_program: int = 1
   # Ragged M just past one block: where block_m < M <= block_m + tail_m, one
   # block of rows, computed as block_m rows plus a second accumulator of
   # tail_m rows that shares B's tiles, instead of a 2 * block_m tile or a
   # second block of rows that reads B again. wgmma takes 64 rows per group of
   # 4 warps; fewer run as older, smaller mma instructions.
   tail_m: int = 0
-  # Ragged K: where 0 < K % block_k <= tail_k (and split_k = 1), the last
-  # contraction step takes tail_k rows instead of a mostly masked block_k.
-  tail_k: int = 0
 
   def __post_init__(self):
     for name in ("block_m", "block_n", "block_k"):
       value = getattr(self, name)
       if value < 16 or value & (value - 1):
         raise ValueError(f"TileConfig.{name}={value}: Triton needs a power of 2 >= 16.")
-    for name, block in (("tail_m", self.block_m), ("tail_k", self.block_k)):
-      value = getattr(self, name)
-      if value and (value < 16 or value & (value - 1) or value >= block):
-        raise ValueError(f"TileConfig.{name}={value}: a power of 2 >= 16 below "
-                         f"{name.replace('tail', 'block')}={block}, or 0.")
-    for name in ("split_k", "tiles_per_program"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"TileConfig.{name}={getattr(self, name)} must be >= 1.")
+    if self.tail_m and (self.tail_m < 16 or self.tail_m & (self.tail_m - 1)
+                        or self.tail_m >= self.block_m):
+      raise ValueError(f"TileConfig.tail_m={self.tail_m}: a power of 2 >= 16 below "
+                       f"block_m={self.block_m}, or 0.")
+    if self.split_k < 1:
+      raise ValueError(f"TileConfig.split_k={self.split_k} must be >= 1.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +53,6 @@ class Config:
   weight_grads: TileConfig
   # grad_hidden_state = grad_fc1_output @ fc1_weight: M=S, N=H, K=I.
   input_grad: TileConfig
-  # grad_fc1_weight's tile (launch 2) where it differs from grad_fc2_weight's
-  # (launch 1); None: weight_grads serves both.
-  fc1_weight_grad: TileConfig | None = None
-  # Two launches of two products each (True) or four launches.
-  group_launches: bool = True
   # 16-bit modes: cast the fp32 activations (grad_output, hidden_state,
   # gelu_output) and/or the weights to the operand dtype in XLA first, so the
   # kernels multiply 16-bit tiles they need not convert.
@@ -80,24 +66,10 @@ class Config:
   # fp32 wgmma operands must be K-major in shared memory; an operand that is
   # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
   # can come from registers instead (`Product.lhs_in_registers`), so only the
-  # right one needs K-contiguous rows. The flags below arrange that in 32-bit
-  # modes (16-bit tiles transpose for free).
-  # Weight gradients: the right operand (gelu_output, hidden_state) is read
-  # from a transposed copy, the left one through registers.
+  # right one needs K-contiguous rows. In 32-bit modes (16-bit tiles transpose
+  # for free) the weight gradients' right operand (gelu_output, hidden_state)
+  # is then read from a transposed copy, the left one through registers.
   k_major_weight_grads: bool = False
-  # The two products with a weight read transposed copies of the weights.
-  k_major_weights: bool = False
-  # The two products with a weight compute their transpose, C.T = W.T @ X.T:
-  # the activation X ([S, K], K-contiguous) is the right operand, the weight
-  # the left one, through registers; no copy. Their TileConfigs then tile
-  # (I or H) x S, so block_m runs over the weight's side.
-  weights_on_left: bool = False
-  # The two products with a weight run as XLA dots (cuBLAS reads the fp32
-  # [out, in] weights at about twice Pallas-Triton's rate) and the GELU
-  # derivative as an XLA fusion; the kernels keep the weight gradients and
-  # bias sums, both in one launch (whose warps and stages are weight_grads').
-  # Measured 4-36% slower at TF32 S=211-256 (benchmarks/NOTES.md, 15).
-  xla_weight_products: bool = False
   # Split contractions (the input gradient's) summed by the last program of
   # each output tile, in split order, instead of in a reduction after the
   # launch (`kernels.Product.sum_splits_in_kernel`). -1.3 to -1.7 us at F16
@@ -123,21 +95,10 @@ class Config:
 
   @property
   def launch_1_on_mosaic(self) -> bool:
-    """mosaic_launch_1 where the rest allows: it replaces the grouped launch 1 of
-    the fused casts (cast_inputs, fused_casts, group_launches), weights as stored."""
-    return self.mosaic_launch_1 and self.cast_inputs and self.fused_casts and (
-        self.group_launches and not (self.cast_weights or self.k_major_weights
-                                     or self.weights_on_left or self.xla_weight_products))
-
-  @property
-  def fc1_weight_grad_tile(self) -> TileConfig:
-    return self.fc1_weight_grad or self.weight_grads
-
-  def __post_init__(self):
-    if self.xla_weight_products and (self.k_major_weights or self.weights_on_left):
-      raise ValueError("Config.xla_weight_products leaves the products with a weight to XLA; "
-                       "k_major_weights and weights_on_left lay them out for the kernels.")
-
+    """mosaic_launch_1 where the rest allows: it replaces launch 1 of the fused casts
+    (cast_inputs, fused_casts), weights as stored."""
+    return (self.mosaic_launch_1 and self.cast_inputs and self.fused_casts
+            and not self.cast_weights)
 
 
 T = TileConfig
@@ -243,26 +204,11 @@ def default_config(problem: Problem) -> Config:
   return _row(table, problem.tokens)
 
 
-def fp32_operands_config(problem: Problem) -> Config:
-  """The Config of the fp32-operand kernels for a 32-bit mode, even where TF32 runs on f16."""
-  return _row(_THIRTY_TWO_BIT_TABLE, problem.tokens)
-
-
 def _row(table, tokens):
   for largest, config in table:
     if largest is None or tokens <= largest:
       return config
   raise AssertionError("unreachable: the last row takes every S")
-
-
-def on_f16_config(problem: Problem) -> Config:
-  """TF32 on f16 tensor cores (`Config.tf32_on_f16`) with the 16-bit modes' tiles for this S."""
-  row = _row(_SIXTEEN_BIT_TABLE, problem.tokens)
-  # The input gradient's left operand stays fp32 here (16-bit rows assume f16):
-  # 256-row tiles with 4 stages then exceed shared memory (S=131).
-  input_grad = dataclasses.replace(row.input_grad, block_m=min(row.input_grad.block_m, 128))
-  return dataclasses.replace(row, input_grad=input_grad, tf32_on_f16=True, cast_weights=False,
-                             fused_casts=False, mosaic_launch_1=False)
 
 
 def interpret_config(problem: Problem) -> Config:

@@ -3,8 +3,7 @@
 A `Product` is one `C = op(A) @ op(B)`, where `op(A)` is `A` (`[M, K]`) or
 `A.T` (`A` stored `[K, M]`) and `op(B)` is `B` (`[K, N]`) or `B.T` (`B` stored
 `[N, K]`, K-contiguous, as fp32 tensor-core products want), stored as `C`
-(`[M, N]`) or as `C.T` (`store_transposed`, `[N, M]`), with two optional
-fusions:
+(`[M, N]`), with two optional fusions:
 
 * `fuse_gelu`: the epilogue multiplies the tile by `gelu_tanh_grad` of the
   matching tile of a third input (laid out as the output), so the pre-GELU
@@ -68,7 +67,6 @@ class Product:
   out_dtype: jnp.dtype
   transpose_a: bool = False
   transpose_b: bool = False
-  store_transposed: bool = False
   fuse_gelu: bool = False
   row_sums: bool = False
   lhs_in_registers: bool = False   # see precision.kernel_dot
@@ -100,10 +98,10 @@ class Product:
 
   @property
   def grid(self):
-    """(m blocks, n-block groups, splits); m varies fastest so neighbours share B's tiles."""
+    """(m blocks, n blocks, splits); m varies fastest so neighbours share B's tiles."""
     t = self.tile
     m_blocks = 1 if self.tail_rows else pl.cdiv(self.m, t.block_m)
-    return m_blocks, pl.cdiv(pl.cdiv(self.n, t.block_n), t.tiles_per_program), t.split_k
+    return m_blocks, pl.cdiv(self.n, t.block_n), t.split_k
 
   @property
   def tail_rows(self) -> int:
@@ -119,16 +117,10 @@ class Product:
     return parts
 
   @property
-  def k_steps(self) -> tuple[int, int]:
-    """(block_k steps per split, rows of a narrower last step or 0): see `TileConfig.tail_k`."""
+  def k_steps(self) -> int:
+    """block_k steps per split."""
     t = self.tile
-    if t.split_k == 1 and 0 < self.k % t.block_k <= t.tail_k:
-      return self.k // t.block_k, t.tail_k
-    return pl.cdiv(pl.cdiv(self.k, t.block_k), t.split_k), 0
-
-  @property
-  def stored_shape(self) -> tuple[int, int]:
-    return (self.n, self.m) if self.store_transposed else (self.m, self.n)
+    return pl.cdiv(pl.cdiv(self.k, t.block_k), t.split_k)
 
   @property
   def programs(self) -> int:
@@ -137,9 +129,9 @@ class Product:
 
   @property
   def tiles(self) -> int:
-    """Output tile slots: the grid's (m, n) tiles, including any past N in a program's last group."""
+    """Output tiles: the grid's (m, n) tiles."""
     gm, gn, _ = self.grid
-    return gm * gn * self.tile.tiles_per_program
+    return gm * gn
 
   @property
   def counts_arrivals(self) -> bool:
@@ -165,8 +157,7 @@ class Product:
     assert b.shape == ((self.n, self.k) if self.transpose_b else (self.k, self.n)), (self, b.shape)
     assert len(operands) == self.num_inputs, self
     assert not (self.fuse_gelu and self.tile.split_k > 1), self
-    assert not self.f16_outputs or (self.fuse_gelu and self.speculate_b and self.scaled_f16
-                                    and not self.store_transposed), self
+    assert not self.f16_outputs or (self.fuse_gelu and self.speculate_b and self.scaled_f16), self
     assert not self.speculate_b or self.scaled_f16, self
     if self.scaled_f16:
       assert operands[2].shape[1:] == (self.m,), (self, operands[2].shape)
@@ -182,14 +173,14 @@ class Product:
     """The launch's outputs of this product -> the product (and row sums)."""
     product, split = outs[0], self.tile.split_k
     if split > 1 and not self.counts_arrivals:
-      product = product.reshape(split, *self.stored_shape).sum(axis=0).astype(self.out_dtype)
+      product = product.reshape(split, self.m, self.n).sum(axis=0).astype(self.out_dtype)
     sums = (outs[1].reshape(split, self.m).sum(axis=0),) if self.row_sums else ()
     extra = tuple(outs[1 + self.row_sums:5 + self.row_sums]) if self.f16_outputs else ()
     return (product, *sums, *extra) if sums or extra else product
 
   def out_shapes(self, like):
     split, arrivals = self.tile.split_k, self.counts_arrivals
-    rows, cols = self.stored_shape
+    rows, cols = self.m, self.n
     if split == 1 or arrivals:
       shapes = [out_struct((rows, cols), self.out_dtype, like)]
     else:
@@ -198,7 +189,7 @@ class Product:
       shapes.append(out_struct((split * self.m,), jnp.float32, like))
     if self.f16_outputs:
       gm, gn, _ = self.grid
-      shapes += [out_struct((gn * self.tile.tiles_per_program, self.m), jnp.float32, like),
+      shapes += [out_struct((gn, self.m), jnp.float32, like),
                  out_struct((gm, self.n), jnp.float32, like),
                  out_struct((self.m, self.n), jnp.float16, like),
                  out_struct((1, self.n), jnp.float32, like)]
@@ -405,16 +396,10 @@ def _max_of_parts(ref, index, mask):
 
 
 def _product_program(p: Product, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-  """The work of program number `program` of product `p`: its output tiles in turn."""
+  """The work of program number `program` of product `p`: its output tile."""
   gm, gn, _ = p.grid
-  pid_m, group, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
-  first_n = group * p.tile.tiles_per_program
-  if p.tile.tiles_per_program == 1:
-    _output_tile(p, pid_m, first_n, pid_k, in_refs, out_refs, mode, interpret)
-  else:
-    @pl.loop(0, p.tile.tiles_per_program)
-    def _(j):
-      _output_tile(p, pid_m, first_n + j, pid_k, in_refs, out_refs, mode, interpret)
+  pid_m, pid_n, pid_k = program % gm, (program // gm) % gn, program // (gm * gn)
+  _output_tile(p, pid_m, pid_n, pid_k, in_refs, out_refs, mode, interpret)
 
 
 def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMode,
@@ -429,7 +414,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   t = p.tile
   parts = p.row_parts(pid_m)        # [(rows, row_mask)]
   cols, col_mask = _span(pid_n, t.block_n, p.n)
-  steps, tail_k = p.k_steps
+  steps = p.k_steps
   b_k_axis = 1 if p.transpose_b else 0
   scales_a = [None] * len(parts)
   scale_b = None
@@ -492,11 +477,6 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     accs, sums, b_max = lax.fori_loop(0, steps, step, init)
     if p.speculate_b:
       b_max = jnp.max(b_max, axis=b_k_axis)
-    if tail_k:
-      tail = load(*_span(steps * t.block_k // tail_k, tail_k, p.k))
-      accs, sums = multiply(tail, accs, sums, scale_b)
-      if p.speculate_b:
-        b_max = jnp.maximum(b_max, jnp.max(finite_abs(tail[1]), axis=b_k_axis))
     return accs, sums, b_max
 
   accs, sums, b_max = contraction(scale_b)
@@ -509,12 +489,8 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
     accs = [(acc * (1.0 / scale_a)[:, None]) * (1.0 / scale_b)[None, :]
             for acc, scale_a in zip(accs, scales_a)]
 
-  pieces = []   # (tile as stored, its rows, row mask, columns, column mask)
-  for acc, (rows, row_mask) in zip(accs, parts):
-    if p.store_transposed:  # the tile as stored: [bn, rows] of C.T
-      pieces.append((acc.T, cols, col_mask, rows, row_mask))
-    else:
-      pieces.append((acc, rows, row_mask, cols, col_mask))
+  # (tile, its rows, row mask, columns, column mask)
+  pieces = [(acc, rows, row_mask, cols, col_mask) for acc, (rows, row_mask) in zip(accs, parts)]
   if p.fuse_gelu:
     pieces = [(acc * gelu_tanh_grad(_load(x_ref[0], *piece).astype(jnp.float32)), *piece)
               for acc, *piece in pieces]
@@ -527,7 +503,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
                           counter_ref, interpret)
   else:
     for acc, rows, *masks_and_cols in pieces:   # this split's rows of a split output
-      index, mask = _tile(pid_k * p.stored_shape[0] + rows, *masks_and_cols)
+      index, mask = _tile(pid_k * p.m + rows, *masks_and_cols)
       plgpu.store(out_ref.at[index], acc.astype(out_ref.dtype), mask=mask)
   if p.row_sums:
     @pl.when(pid_n == 0)
@@ -564,7 +540,7 @@ def _sum_splits_when_last(p: Product, tile_index, pid_k, pieces, out_ref, partia
   acquire-release increment (GPU scope), as CUTLASS's semaphores do; the sum
   runs in split order, so its bits do not depend on which program came last.
   """
-  split_rows = p.stored_shape[0]
+  split_rows = p.m
 
   def at(split, rows, row_mask, cols, col_mask):   # a piece's tile in split `split`'s partial
     return _tile(split * split_rows + rows, row_mask, cols, col_mask)
