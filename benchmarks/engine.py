@@ -13,7 +13,6 @@ accumulations of the same exact products. Writes `engine_<device>_<date>.{json,m
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -23,6 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks import cases, timing
+from benchmarks.run import result_stem
 from vision_mlp_bwd.backends.mosaic import engine
 
 C = engine.GemmConfig
@@ -101,10 +101,7 @@ def main(argv=None):
         print(f"    {label:28s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s "
               f"({row['cublas_us'] / us:.2f}x cuBLAS)", flush=True)
       rows.append(row)
-  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
-  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"engine_{device}_{date}")
+  stem, date = result_stem(args.out, "engine")
   md = [f"# Mosaic GEMM engine against cuBLAS ({jax.devices()[0].device_kind}, {date}, "
         f"jax {jax.__version__}; f16 operands, fp32 output; µs, CUPTI, cold L2, median)", "",
         "| S | product (M, K, N) | cuBLAS | engine, best | config | × cuBLAS |",

@@ -12,7 +12,6 @@ bf16 and f16 inputs at the default precision. Writes
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 
@@ -21,7 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 import vision_mlp_bwd
-from benchmarks.run import todays_runs_dir
+from benchmarks.run import result_stem, todays_runs_dir
 from benchmarks import cases, timing
 
 F16 = lax.DotAlgorithmPreset.F16_F16_F32
@@ -46,10 +45,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
-  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
-  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"input_dtypes_{device}_{date}")
+  stem, date = result_stem(args.out, "input_dtypes")
   rows = []
   for s in args.seq_lens:
     inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)

@@ -10,7 +10,6 @@ of README's precision table. Writes `precision_errors_<device>_<date>.json`.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 
@@ -21,7 +20,7 @@ from jax import lax
 
 import vision_mlp_bwd
 from benchmarks import cases
-from benchmarks.run import todays_runs_dir
+from benchmarks.run import result_stem, todays_runs_dir
 
 PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST,
               "f16": lax.DotAlgorithmPreset.F16_F16_F32,
@@ -63,10 +62,8 @@ def main(argv=None):
                            implementation=implementation, max_error=max(errors), errors=errors))
           print(f"S={s:5d} {dtype_name:>4} in  {precision_name:>7}  {implementation:>6}  "
                 f"worst rel. Frobenius {max(errors):.2e}", flush=True)
-  os.makedirs(args.out, exist_ok=True)
-  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
-  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-  with open(os.path.join(args.out, f"precision_errors_{device}_{date}.json"), "w") as f:
+  stem, date = result_stem(args.out, "precision_errors")
+  with open(stem + ".json", "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
                    commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
 

@@ -201,6 +201,15 @@ def _device_slug(device_kind: str, cpu_demo: bool) -> str:
   return re.sub(r"^nvidia_", "", slug) or "gpu"
 
 
+def result_stem(out_dir: str, prefix: str) -> tuple[str, str]:
+  """(`out_dir/<prefix>_<device>_<local date-time>`, that date-time) for a result's files;
+  the device is `cpu_demo` off the GPU (ignored by git there). Creates `out_dir`."""
+  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  device = _device_slug(jax.devices()[0].device_kind, jax.default_backend() != "gpu")
+  os.makedirs(out_dir, exist_ok=True)
+  return os.path.join(out_dir, f"{prefix}_{device}_{date}"), date
+
+
 def main(argv=None) -> dict:
   plan, out_dir = parse_args(argv)
   started = time.time()

@@ -20,7 +20,6 @@ runs tiny shapes with wall-clock times (a demo, not a benchmark).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -30,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vision_mlp_bwd
-from benchmarks.run import todays_runs_dir
+from benchmarks.run import result_stem, todays_runs_dir
 from benchmarks import timing
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "fp32": jnp.float32}
@@ -197,8 +196,7 @@ def main(argv=None):
                       help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
   hidden, intermediate = map(int, args.size.split("x"))
-  device = jax.devices()[0].device_kind.replace("NVIDIA ", "").replace(" ", "_").lower()
-  date = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+  stem, date = result_stem(args.out, "training_step")
   commit = os.environ.get("GIT_COMMIT") or subprocess.run(
       ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
   meta = dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
@@ -209,8 +207,6 @@ def main(argv=None):
                                   args.iterations)
   flax_rows = [] if args.no_flax else flax_step_rows(args.seq_lens, args.dtypes, hidden,
                                                      intermediate, args.iterations)
-  os.makedirs(args.out, exist_ok=True)
-  stem = os.path.join(args.out, f"training_step_{device}_{date}")
   with open(stem + ".json", "w") as f:
     json.dump(dict(meta=meta, forward_backward=fb_rows, flax_step=flax_rows), f, indent=1)
   with open(stem + ".md", "w") as f:

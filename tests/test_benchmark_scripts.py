@@ -1,0 +1,52 @@
+"""CPU checks of the benchmark scripts added beside `benchmarks.run`: their tables, files and
+oracles (the timings themselves are GPU facts; on a CPU the scripts run as demos)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import input_dtypes, precision_errors, training_step
+from tests import bounds, helpers
+
+
+def test_training_step_demo_writes_its_tables(tmp_path):
+  training_step.main(["--seq-lens", "8", "--dtypes", "bf16", "--iterations", "1", "--no-flax",
+                      "--size", "16x40", "--out", str(tmp_path)])
+  [record] = list(tmp_path.glob("training_step_cpu_demo_*.json"))
+  rows = json.loads(record.read_text())["forward_backward"]
+  assert [(r["dtype"], r["seq_len"]) for r in rows] == [("bf16", 8)]
+  row = rows[0]
+  assert row["plain"] > 0 and row["auto"] > 0 and row["triton"] > 0 and row["backend"] == "xla"
+  assert row["auto_vs_plain"] == row["plain"] / row["auto"]
+  assert record.with_suffix(".png").exists()
+  assert "| bf16 | 8 |" in record.with_suffix(".md").read_text()
+
+
+def test_the_plain_model_is_the_one_users_write():
+  inputs = helpers.backward_inputs(6, 8, 24)
+  x, (w1, b1, w2, b2) = inputs[1], inputs[2:6]
+  expected = jax.nn.gelu(x @ w1.T + b1, approximate=True) @ w2.T + b2
+  np.testing.assert_array_equal(training_step.plain_mlp(x, w1, b1, w2, b2), expected)
+
+
+def test_precision_errors_oracle_is_the_float64_contract():
+  inputs = helpers.backward_inputs(9, 16, 40)
+  for ours, theirs in zip(precision_errors.oracle(inputs), helpers.backward_float64(*inputs)):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_input_dtypes_table_has_every_column(tmp_path):
+  rows = [dict(seq_len=64, **{label: 1.0 + n for n, (label, *_) in
+                              enumerate(input_dtypes.COLUMNS)})]
+  input_dtypes._write(str(tmp_path / "t"), rows, "20260101-000000", 16, 40)
+  table = (tmp_path / "t.md").read_text().splitlines()
+  assert table[2].count("|") == len(input_dtypes.COLUMNS) + 2
+  assert table[-1].startswith("| 64 | 1.0 | 2.0 |")
+  assert json.loads((tmp_path / "t.json").read_text())["rows"] == rows
+  dtypes = {jnp.dtype(d) for _, d, _, _ in input_dtypes.COLUMNS}
+  assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
+  assert bounds.mode_for(None, jnp.bfloat16).operand_dtype == jnp.bfloat16
