@@ -12,8 +12,9 @@ Each launch is timed on fp32 activations (16-bit modes cast inside the
 kernel). `--search-configs` searches whole-backward `Config`s (the grouped
 launches share warps and pipeline depth, so products tuned alone are not the
 best pair); `--variants` times named or overridden Configs beside XLA. The
-winners feed the tables in `vision_mlp_bwd/backends/triton/config.py`; the
-log goes to `benchmarks/NOTES.md`.
+winners feed the tables in `vision_mlp_bwd/backends/triton/configs/h200.json`
+(with the result file and commit they came from); the log goes to
+`benchmarks/NOTES.md`.
 """
 
 from __future__ import annotations

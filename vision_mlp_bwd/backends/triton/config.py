@@ -1,16 +1,23 @@
-"""Tile configurations for the Triton kernels, and the heuristics that pick them.
+"""Tile configurations for the Triton kernels, and the measured tables that pick them.
 
 The backward runs four tiled products (`kernels.Product`) in three roles. Each
 role gets a `TileConfig`; a `Config` holds the three. `default_config(problem)`
-picks them per S from tables measured on the H200 (`benchmarks/NOTES.md`).
+picks them per S, and `triton_wins(problem)` routes between the kernels and
+XLA, from the tables measured on one GPU: `configs/<gpu>.json` beside this
+module (today `configs/h200.json`), which also names for every row the result
+files under benchmarks/results/ it came from (`load_tables` reads it;
+tests/test_configs.py and tests/test_routing.py hold it to those results).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
+import json
 
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
+
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
@@ -60,28 +67,27 @@ class Config:
   cast_weights: bool = False
   # With cast_inputs: cast in Pallas jobs instead of XLA converts (a kernel
   # each): grad_output and gelu_output in one launch before the first,
-  # hidden_state (needed only by the second) inside the first launch.
-  # 2.6-4.5 us less at F16 S=128-256 on the H200 (benchmarks/NOTES.md, 12).
+  # hidden_state (needed only by the second) inside the first launch
+  # (benchmarks/NOTES.md, 12).
   fused_casts: bool = False
   # fp32 wgmma operands must be K-major in shared memory; an operand that is
   # not K-contiguous in HBM is then copied 4 bytes at a time. The left operand
   # can come from registers instead (`Product.lhs_in_registers`), so only the
   # right one needs K-contiguous rows. In 32-bit modes (16-bit tiles transpose
   # for free) the weight gradients' right operand (gelu_output, hidden_state)
-  # is then read from a transposed copy, the left one through registers.
+  # is then read from a transposed copy, the left one through registers
+  # (benchmarks/NOTES.md, 13).
   k_major_weight_grads: bool = False
   # Split contractions (the input gradient's) summed by the last program of
   # each output tile, in split order, instead of in a reduction after the
-  # launch (`kernels.Product.sum_splits_in_kernel`). -1.3 to -1.7 us at F16
-  # S=211-256, -0.2 to -0.6 at TF32 S=128; 1-8% slower where one small
-  # program sums 8 partials (benchmarks/NOTES.md, 18).
+  # launch (`kernels.Product.sum_splits_in_kernel`; benchmarks/NOTES.md, 18).
   sum_splits_in_kernel: bool = False
   # TF32 with fp32 inputs: every product runs on f16 tensor cores, its
   # operands scaled by powers of two per output row and column so that f16
   # holds their TF32 roundings (`precision.f16_scale`); three launches
   # (`_backward_on_f16` in this package). With cast_inputs, grad_output is
   # also cast by rows for the pre-activation product, which otherwise
-  # converts it itself.
+  # converts it itself (benchmarks/NOTES.md, 20).
   tf32_on_f16: bool = False
   # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
   # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
@@ -89,8 +95,7 @@ class Config:
   # also casts hidden_state and zeroes the counters, and launch 2 sums
   # grad_output's columns (the fc2 bias gradient). Elsewhere (other GPUs,
   # interpret mode, H or I not multiples of 128, other flags:
-  # `launch_1_on_mosaic`) launch 1 stays Triton's. Measured on the H200 at
-  # S=211: launch 1 20.7 against 24.4 us (benchmarks/NOTES.md, 23-24).
+  # `launch_1_on_mosaic`) launch 1 stays Triton's (benchmarks/NOTES.md, 23-24).
   mosaic_launch_1: bool = False
 
   @property
@@ -101,106 +106,188 @@ class Config:
             and not self.cast_weights)
 
 
-T = TileConfig
-C = Config
+# --- the tables, from configs/<gpu>.json -------------------------------------------------
 
-# Per S bucket, from the H200 measurements of benchmarks/tune.py (H=1280,
-# I=3584). Up to S=256 the rows are the winners of a coordinate search over
-# whole-backward Configs at the seed's S (`tune --search-configs`,
-# results/probes/tiles/search_*_h200.json): in a grouped launch the first product's warps
-# and pipeline depth serve both products, so tiles tuned one launch at a time
-# (results/probes/tiles/tune*_h200.*, the rows above S=256) were up to 30% off.
-# benchmarks/NOTES.md tells the story. At S=129-144 the 16-bit pre-activation
-# block is 128 rows plus a 16-row tail (51.5 against 52.1 us at F16 S=131,
-# results/probes/tiles/tails2_h200.log). Launch 1 as one Mosaic GPU grid (`mosaic_launch_1`)
-# from S=65 to 256: F16 S=128 38.3 against 43.5 us, 131 50.7 / 51.6, 211
-# 52.2 / 52.8 (results/probes/mosaic/mosaic211_f16_h200.json, benchmarks/NOTES.md, 23);
-# S=145-256 since its 256-row pre-activation tiles (NOTES.md, 24).
-# Rows: (largest S or None, Config).
-_SIXTEEN_BIT_TABLE = (
-    (64, C(T(64, 32, 128), T(64, 128, 64), T(64, 128, 64, split_k=8))),
-    (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
-            cast_inputs=True, fused_casts=True, mosaic_launch_1=True)),
-    (144, C(T(128, 32, 64, num_stages=4, tail_m=16), T(128, 128, 64),
-            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True,
-            fused_casts=True, mosaic_launch_1=True)),                            # S=131
-    (160, C(T(128, 32, 64, num_stages=4), T(128, 128, 64),
-            T(256, 64, 64, split_k=4, num_stages=4), cast_inputs=True, fused_casts=True,
-            mosaic_launch_1=True)),
-    (224, C(T(128, 64, 64), T(128, 128, 32), T(128, 64, 64, split_k=4), cast_inputs=True,
-            fused_casts=True, sum_splits_in_kernel=True, mosaic_launch_1=True)),
-    (256, C(T(128, 64, 64, num_warps=8), T(128, 128, 64), T(128, 64, 64, split_k=4),
-            cast_inputs=True, fused_casts=True, sum_splits_in_kernel=True, mosaic_launch_1=True)),
-    (1024, C(T(128, 128, 64, num_warps=8), T(128, 64, 64), T(128, 64, 64, split_k=2),
-             cast_inputs=True, cast_weights=True)),
-    (None, C(T(128, 128, 64, num_warps=8), T(128, 128, 64, num_warps=8),
-             T(128, 128, 64, num_warps=8), cast_inputs=True, cast_weights=True)),
-)
-_THIRTY_TWO_BIT_TABLE = (
-    (64, C(T(32, 64, 64, num_stages=4), T(128, 64, 64), T(32, 128, 32, split_k=8))),
-    (128, C(T(32, 64, 32, num_warps=2), T(64, 128, 32, num_warps=2),
-            T(64, 64, 64, split_k=4, num_warps=2), sum_splits_in_kernel=True)),
-    (160, C(T(32, 128, 32, num_warps=2, num_stages=4), T(128, 64, 16),
-            T(32, 256, 32, split_k=8, num_warps=2))),                            # S=131
-    (224, C(T(32, 128, 32, num_warps=2), T(128, 64, 32),
-            T(32, 256, 32, split_k=4, num_warps=2))),                            # S=211
-    (256, C(T(32, 256, 32), T(128, 64, 32), T(32, 256, 16, split_k=4, num_warps=2),
-            k_major_weight_grads=True)),
-    # TF32 at S=1163 took 867 us with 128x128x32 tiles against 505 us at S=997
-    # with these, so they serve every larger S too.
-    (None, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32))),
-)
+CONFIG_FILE = "h200.json"   # the GPU the tables were measured on (the only one so far)
+ROLES = ("pre_activation", "weight_grads", "input_grad")
+TABLE_NAMES = ("sixteen_bit", "thirty_two_bit", "tf32_on_f16", "three_pass")
+ROUTING_NAMES = ("fp32_inputs", "sixteen_bit_inputs")
+_TILE_FIELDS = {f.name: f for f in dataclasses.fields(TileConfig)}
+_FLAGS = {f.name: f for f in dataclasses.fields(Config) if f.name not in ROLES}
 
-# TF32 (DEFAULT) from S=65 to 256: every product on f16 tensor cores with
-# exact power-of-two scales (`Config.tf32_on_f16`, benchmarks/NOTES.md 20),
-# with the 16-bit rows' tiles, then searched for this path (`tune
-# --search-configs`, NOTES.md 21): at S=131 a pre-activation tile of 128 rows
-# plus a 16-row tail (one block of rows, to S=144; a 256-row tile above) and
-# 64-row input-gradient tiles; at S=211 and 256 one 256-row pre-activation
-# block (8 warps) and 32-deep steps (S=211: 63.2 against 67.2 us,
-# results/probes/tiles/search211_tf32_h200.json).
-# Measured against the fp32-operand rows above, TF32 S=128: 49.6 against
-# 58.3 us; 131: 58.2 / 72.1; 211: 67.8 (the row before) / 91.8; 256: 66.0 /
-# 115.8. At S=64 the fp32-operand row stays (42.8 against 43.9).
-_TF32_ON_F16_TABLE = (
-    (64, None),
-    (128, C(T(64, 32, 64, num_stages=4), T(64, 128, 32), T(128, 32, 64, split_k=4),
-            cast_inputs=True, tf32_on_f16=True)),
-    (144, C(T(128, 32, 64, num_stages=4, tail_m=16), T(128, 128, 32),
-            T(64, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
-    (160, C(T(256, 32, 64, num_stages=4), T(128, 128, 32),
-            T(64, 64, 32, split_k=4, num_stages=4), cast_inputs=True, tf32_on_f16=True)),
-    (224, C(T(256, 64, 64, num_warps=8, num_stages=4), T(128, 128, 32),
-            T(128, 64, 32, split_k=4), cast_inputs=True, sum_splits_in_kernel=True,
-            tf32_on_f16=True)),                                                  # S=211
-    (256, C(T(256, 64, 64, num_warps=8), T(128, 128, 32), T(128, 64, 32, split_k=4),
-            cast_inputs=True, sum_splits_in_kernel=True, tf32_on_f16=True)),
-    (None, None),
-)
+Row = tuple[int | None, Config | None]   # (largest S or None for every larger S, Config)
+Ranges = tuple[tuple[int, int | None], ...]   # inclusive S ranges, None: no upper end
 
-# bf16x3 (HIGHEST) runs three bf16 products per tile: up to S=256 the
-# per-launch TF32 tiles; above, it is compute-bound and 128x128 tiles halved
-# its time per token (1.15 -> 0.55 us per token between S=997 and S=1163 in
-# benchmarks/results/runs/2026-11-29/h200_20261129-153212.md).
-_THREE_PASS_TABLE = (
-    (64, C(T(32, 64, 32), T(128, 64, 64), T(32, 64, 32, split_k=8))),
-    (128, C(T(32, 64, 32, num_stages=4), T(64, 64, 32, num_warps=2), T(32, 64, 32, split_k=4))),
-    (256, C(T(32, 128, 32), T(128, 64, 64), T(32, 128, 32, split_k=8))),
-    (None, C(T(128, 128, 32, num_warps=8), T(128, 128, 32, num_warps=8),
-             T(128, 128, 32, num_warps=8))),
-)
+
+class ConfigFileError(ValueError):
+  """A tuned-config file that does not have the layout `load_tables` reads."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """A parsed configs/<gpu>.json: its tables of rows and its routing."""
+
+  gpu: str
+  tables: dict[str, tuple[Row, ...]]             # TABLE_NAMES -> rows, S ascending
+  routing: dict[str, dict[DotMode, Ranges]]      # ROUTING_NAMES -> mode -> S ranges
+  document: dict                                 # the file as parsed (provenance included)
+
+
+def _fail(where, message):
+  raise ConfigFileError(f"{where}: {message}")
+
+
+def _keys(where, value, required, optional=()):
+  if not isinstance(value, dict):
+    _fail(where, f"expected an object, got {type(value).__name__}")
+  missing = [k for k in required if k not in value]
+  unknown = [k for k in value if k not in required and k not in optional]
+  if missing or unknown:
+    _fail(where, f"missing {missing}, unknown {unknown} (fields: "
+                 f"{sorted(set(required) | set(optional))})")
+
+
+def _int(where, value, minimum=1):
+  if type(value) is not int or value < minimum:   # bool is an int: refused too
+    _fail(where, f"expected an integer >= {minimum}, got {value!r}")
+  return value
+
+
+def _commit(where, value):
+  if value is not None and not (isinstance(value, str) and 7 <= len(value) <= 40
+                                and all(c in "0123456789abcdef" for c in value)):
+    _fail(where, f"expected a commit (7-40 hex digits) or null, got {value!r}")
+
+
+def config_from_dict(value, where="config") -> Config:
+  """A Config from its JSON form: the three roles' tiles, each a TileConfig's fields, and
+  any Config flags; what is left out takes the dataclasses' defaults."""
+  _keys(where, value, ROLES, _FLAGS)
+  tiles = {}
+  for role in ROLES:
+    tile = value[role]
+    _keys(f"{where}.{role}", tile, ("block_m", "block_n", "block_k"), _TILE_FIELDS)
+    for name, number in tile.items():
+      _int(f"{where}.{role}.{name}", number, minimum=0 if name == "tail_m" else 1)
+    try:
+      tiles[role] = TileConfig(**tile)
+    except ValueError as e:
+      _fail(f"{where}.{role}", str(e))
+  for name, flag in value.items():
+    if name in _FLAGS and type(flag) is not bool:
+      _fail(f"{where}.{name}", f"expected true or false, got {flag!r}")
+  return Config(**tiles, **{k: v for k, v in value.items() if k in _FLAGS})
+
+
+def config_as_dict(config: Config) -> dict:
+  """The JSON form of `config` (`config_from_dict`): only what differs from the defaults."""
+  def differs(obj, fields):
+    return {name: getattr(obj, name) for name, f in fields.items()
+            if f.default is dataclasses.MISSING or getattr(obj, name) != f.default}
+  return {**{role: differs(getattr(config, role), _TILE_FIELDS) for role in ROLES},
+          **differs(config, _FLAGS)}
+
+
+def _provenance(where, value):
+  _keys(where, value, ("notes", "added_in", "results"))
+  if not isinstance(value["notes"], list):
+    _fail(f"{where}.notes", "expected a list of benchmarks/NOTES.md section numbers")
+  for j, section in enumerate(value["notes"]):
+    _int(f"{where}.notes[{j}]", section)
+  _commit(f"{where}.added_in", value["added_in"])
+  if not isinstance(value["results"], list):
+    _fail(f"{where}.results", "expected a list")
+  for j, result in enumerate(value["results"]):
+    at = f"{where}.results[{j}]"
+    _keys(at, result, ("path", "commit", "date", "what"))
+    if not (isinstance(result["path"], str) and result["path"].startswith("benchmarks/results/")):
+      _fail(f"{at}.path", f"expected a path under benchmarks/results/, got {result['path']!r}")
+    _commit(f"{at}.commit", result["commit"])
+    if result["date"] is not None and not isinstance(result["date"], str):
+      _fail(f"{at}.date", f"expected an ISO date or null, got {result['date']!r}")
+
+
+def _rows(where, table, nullable):
+  _keys(where, table, ("about", "rows"))
+  rows, previous = [], 0
+  if not isinstance(table["rows"], list) or not table["rows"]:
+    _fail(f"{where}.rows", "expected a non-empty list")
+  for j, row in enumerate(table["rows"]):
+    at = f"{where}.rows[{j}]"
+    _keys(at, row, ("max_tokens", "config", "provenance"))
+    largest, last = row["max_tokens"], j == len(table["rows"]) - 1
+    if last != (largest is None):
+      _fail(f"{at}.max_tokens", "the last row, and only it, has max_tokens null")
+    if largest is not None and _int(f"{at}.max_tokens", largest) <= previous:
+      _fail(f"{at}.max_tokens", f"{largest} does not grow past the row before ({previous})")
+    previous = largest
+    if row["config"] is None and not nullable:
+      _fail(f"{at}.config", "null (fall back to thirty_two_bit) only in tf32_on_f16")
+    config = None if row["config"] is None else config_from_dict(row["config"], f"{at}.config")
+    _provenance(f"{at}.provenance", row["provenance"])
+    rows.append((largest, config))
+  return tuple(rows)
+
+
+def _routing(where, value):
+  _keys(where, value, ("about", "ranges", "provenance"))
+  _keys(f"{where}.ranges", value["ranges"], (), [m.value for m in DotMode])
+  _provenance(f"{where}.provenance", value["provenance"])
+  routing = {}
+  for mode, ranges in value["ranges"].items():
+    at, parsed = f"{where}.ranges.{mode}", []
+    if not isinstance(ranges, list):
+      _fail(at, "expected a list of [first S, last S or null]")
+    for j, pair in enumerate(ranges):
+      if not (isinstance(pair, list) and len(pair) == 2):
+        _fail(f"{at}[{j}]", f"expected [first S, last S or null], got {pair!r}")
+      lo = _int(f"{at}[{j}][0]", pair[0])
+      hi = None if pair[1] is None else _int(f"{at}[{j}][1]", pair[1], minimum=lo)
+      parsed.append((lo, hi))
+    routing[DotMode(mode)] = tuple(parsed)
+  return routing
+
+
+def load_tables(path=None) -> Tables:
+  """Parses a tuned-config file (default: this package's configs/CONFIG_FILE), or raises
+  ConfigFileError naming the file and the place in it that is malformed."""
+  source = (importlib.resources.files(__package__) / "configs" / CONFIG_FILE
+            if path is None else path)
+  try:
+    with open(source, encoding="utf-8") if isinstance(source, str) else source.open(
+        encoding="utf-8") as f:
+      document = json.load(f)
+    _keys("top level", document,
+          ("gpu", "about", "hidden", "intermediate", "jax", "tables", "routing"))
+    _keys("tables", document["tables"], TABLE_NAMES)
+    _keys("routing", document["routing"], ROUTING_NAMES)
+    tables = {name: _rows(f"tables.{name}", document["tables"][name],
+                          nullable=name == "tf32_on_f16") for name in TABLE_NAMES}
+    routing = {name: _routing(f"routing.{name}", document["routing"][name])
+               for name in ROUTING_NAMES}
+  except ConfigFileError as e:
+    raise ConfigFileError(f"{source}: {e}") from None
+  except json.JSONDecodeError as e:
+    raise ConfigFileError(f"{source}: not JSON: {e}") from None
+  return Tables(document["gpu"], tables, routing, document)
+
+
+TABLES = load_tables()
 
 
 def default_config(problem: Problem) -> Config:
-  """The measured Config for `problem` from the tables above."""
+  """The measured Config for `problem`: 16-bit operands or inputs take the sixteen_bit
+  table, HIGHEST and BF16X3 three_pass, TF32 tf32_on_f16 where it has a row, and the
+  other 32-bit modes thirty_two_bit."""
+  rows = TABLES.tables
   if problem.mode.operand_dtype is not None or problem.dtype.itemsize == 2:
-    table = _SIXTEEN_BIT_TABLE
+    table = rows["sixteen_bit"]
   elif problem.mode in (DotMode.HIGHEST, DotMode.BF16X3):
-    table = _THREE_PASS_TABLE
+    table = rows["three_pass"]
   else:
-    if problem.mode == DotMode.TF32 and _row(_TF32_ON_F16_TABLE, problem.tokens) is not None:
-      return _row(_TF32_ON_F16_TABLE, problem.tokens)
-    table = _THIRTY_TWO_BIT_TABLE
+    if problem.mode == DotMode.TF32 and _row(rows["tf32_on_f16"], problem.tokens) is not None:
+      return _row(rows["tf32_on_f16"], problem.tokens)
+    table = rows["thirty_two_bit"]
   return _row(table, problem.tokens)
 
 
@@ -219,32 +306,12 @@ def interpret_config(problem: Problem) -> Config:
 
 
 # Where the automatic choice takes the Triton kernels over XLA: per DotMode, the
-# S ranges (inclusive; None = no upper end) around the seed cases where they
-# measured at least 8% faster than XLA at the same precision in the same run.
-# S <= 256: benchmarks/results/runs/2026-11-30/h200_20261130-022805.md (TF32, F16,
-# HIGHEST; TF32 on f16 tensor cores from S=65; F16 launch 1 on Mosaic GPU,
-# 256-row tiles above S=128) and
-# benchmarks/results/runs/2026-11-29/h200_bf16_20261129-195442.md and -223832.md,
-# with the earlier runs listed in benchmarks/latest.py agreeing; above:
-# benchmarks/results/runs/2026-11-29/h200_20261129-154647.md.
-# Ties (within the ~5% run-to-run spread) go to XLA; so do modes not listed.
-TRITON_WINS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
-    DotMode.TF32: ((1, 256),),                 # 1.32-1.42x at every seed S <= 256
-    DotMode.F16: ((1, 256),),                  # 1.36-1.51x at every seed S <= 256
-    DotMode.BF16: ((1, 256),),                 # 1.27-1.43x at every seed S <= 256
-    DotMode.HIGHEST: ((1, 64), (289, None)),   # 1.07-1.08x; 1.12x at 293, 1.5-1.8x above
-}
-
-
-# The same for bf16 and f16 inputs (their default precision runs as BF16 / F16
-# on the 16-bit values as they are; `precision.for_inputs`), from
-# benchmarks/results/runs/2026-12-01/input_dtypes_h200_20261201-091806.json:
-# 1.37-1.42x at S=64, 1.18-1.20x at S=128; 0.93-1.10x at S=131-256, and XLA
-# (cuBLAS on 16-bit operands) 1.4-1.8x faster from S=293.
-TRITON_WINS_ON_16_BIT_INPUTS: dict[DotMode, tuple[tuple[int, int | None], ...]] = {
-    DotMode.F16: ((1, 128),),
-    DotMode.BF16: ((1, 128),),
-}
+# S ranges where they measured at least 8% faster than XLA at the same
+# precision in the same run, for fp32 inputs and for bf16/f16 inputs (whose
+# default precision runs as BF16 / F16, `precision.for_inputs`). Ties (within
+# the ~5% run-to-run spread) go to XLA; so do modes not listed.
+TRITON_WINS: dict[DotMode, Ranges] = TABLES.routing["fp32_inputs"]
+TRITON_WINS_ON_16_BIT_INPUTS: dict[DotMode, Ranges] = TABLES.routing["sixteen_bit_inputs"]
 
 
 def triton_wins(problem: Problem) -> bool:
