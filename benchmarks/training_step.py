@@ -93,9 +93,10 @@ def _backend_name(s, hidden, intermediate, dtype):
   from vision_mlp_bwd.precision import canonicalize
   from vision_mlp_bwd.problem import Problem, platform
   from vision_mlp_bwd.precision import for_inputs
-  mode = for_inputs(canonicalize(None), dtype)
-  return vision_mlp_bwd.backends.choose(None, Problem(s, hidden, intermediate, jnp.dtype(dtype),
-                                                      mode), platform()).name
+  problem = Problem(s, hidden, intermediate, jnp.dtype(dtype), for_inputs(canonicalize(None), dtype))
+  if vision_mlp_bwd.backends.jnp_autodiff_preferred(problem, platform()):
+    return "jnp autodiff"
+  return vision_mlp_bwd.backends.choose(None, problem, platform()).name
 
 
 def flax_step_rows(seq_lens, dtypes, hidden, intermediate, iterations):
@@ -141,6 +142,29 @@ def flax_step_rows(seq_lens, dtypes, hidden, intermediate, iterations):
       print(f"{dtype_name:>5} S={s:6d}  nnx.Linear step {row['nnx.Linear']:9.1f}  VisionMLP step "
             f"{row['VisionMLP']:9.1f} us ({row['ratio']:.2f}x)", flush=True)
   return rows
+
+
+def breakdown(seq_len, dtype_name, hidden, intermediate, iterations, out_stem):
+  """Where the time of one forward + backward goes: each kernel's median, plain jnp and auto.
+
+  Also writes each program's optimized HLO (`<out_stem>_<name>.hlo.txt`), to see which
+  fusions and library calls XLA made of it."""
+  dtype = DTYPES[dtype_name]
+  key = jax.random.key(seq_len)
+  params = tuple(p.astype(dtype) for p in make_params(key, hidden, intermediate, dtype))
+  x = jax.random.normal(jax.random.fold_in(key, 1), (seq_len, hidden)).astype(dtype)
+  lines = [f"## {dtype_name} S={seq_len}: kernels of one call (median µs, launch order)", ""]
+  for name in ("plain", "auto"):
+    fn = value_and_grad_fn(name)
+    with open(f"{out_stem}_{dtype_name}_{seq_len}_{name}.hlo.txt", "w") as f:
+      f.write(fn.lower(x, *params).compile().as_text())
+    t = timing.device_times_us(fn, x, *params, warmup=3, iterations=iterations)
+    lines += [f"### {name}: {t.median_us:.1f} µs in {t.kernels} kernels", "",
+              "| # | kernel | µs |", "|---|---|---|"]
+    lines += [f"| {i} | `{k[:90]}` | {us:.1f} |"
+              for i, (k, us) in enumerate(zip(t.kernel_names, t.kernel_median_us))]
+    lines.append("")
+  return "\n".join(lines) + "\n"
 
 
 def markdown(meta, fb_rows, flax_rows):
@@ -192,6 +216,9 @@ def main(argv=None):
   parser.add_argument("--size", default="1280x3584" if on_gpu else "64x160", help="HxI")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--no-flax", action="store_true", help="skip the Flax step table")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="instead of the tables: each kernel's time, plain and auto, at each "
+                           "--seq-lens and --dtypes (GPU only), with the optimized HLO")
   parser.add_argument("--out", default=todays_runs_dir(),
                       help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
@@ -203,6 +230,14 @@ def main(argv=None):
               commit=commit or "unknown", hidden=hidden, intermediate=intermediate,
               method=("CUPTI device time, L2 flushed before every call, median of "
                       f"{args.iterations}") if on_gpu else "CPU wall clock (demo)")
+  if args.breakdown:
+    text = "".join(breakdown(s, d, hidden, intermediate, args.iterations, stem)
+                   for d in args.dtypes for s in args.seq_lens)
+    with open(stem + "_breakdown.md", "w") as f:
+      f.write(f"# Kernel breakdown ({meta['device']}, {date}, commit {meta['commit']})\n\n"
+              + text)
+    print(text)
+    return
   fb_rows = forward_backward_rows(args.seq_lens, args.dtypes, hidden, intermediate,
                                   args.iterations)
   flax_rows = [] if args.no_flax else flax_step_rows(args.seq_lens, args.dtypes, hidden,

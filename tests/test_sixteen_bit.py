@@ -84,19 +84,54 @@ def test_all_32_bit_precisions_agree_bit_for_bit_on_16_bit_inputs(dtype):
       np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("implementation", [None, "xla"])
 @pytest.mark.parametrize("dtype", (jnp.bfloat16, jnp.float16, jnp.float32),
                          ids=["bf16", "f16", "fp32"])
-def test_residuals_stay_in_the_input_dtype_and_are_no_larger_than_plain_autodiffs(dtype):
+def test_residuals_stay_in_the_input_dtype_and_are_no_larger_than_plain_autodiffs(
+    dtype, implementation):
   hidden_state, params = _params(dtype, hidden=32, intermediate=96, tokens=40)
-  _, ours = jax.vjp(vision_mlp_bwd.vision_mlp, hidden_state, *params)
+  _, ours = jax.vjp(functools.partial(vision_mlp_bwd.vision_mlp, implementation=implementation),
+                    hidden_state, *params)
   _, plain = jax.vjp(plain_mlp, hidden_state, *params)
   saved = jax.tree.leaves(ours)
   assert saved and all(r.dtype == dtype for r in saved), [r.dtype for r in saved]
   size = lambda leaves: sum(r.size * r.dtype.itemsize for r in leaves)
   assert size(saved) <= size(jax.tree.leaves(plain)), (size(saved), size(jax.tree.leaves(plain)))
+  if implementation is None and dtype != jnp.float32:
+    return   # jax's autodiff of the jnp model here (the next test): plain's residuals
   # Besides the arguments, the two [S, I] activations and nothing else.
   activations = [r for r in saved if r.shape == (40, 96)]
   assert len(activations) == 2
+
+
+def _lowered_value_and_grad(f, *args):
+  """StableHLO of `value_and_grad(sum(f(x)^2))` lowered for CUDA, without locations."""
+  loss = lambda x, *p: jnp.sum(f(x, *p).astype(jnp.float32) ** 2)
+  fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  return re.sub(r"#loc.*", "", re.sub(r" loc\([^\n]*", "", text))
+
+
+@pytest.mark.parametrize("dtype", SIXTEEN_BIT, ids=["bf16", "f16"])
+def test_where_xla_would_run_on_16_bit_inputs_auto_is_plain_jnps_own_program(dtype):
+  """There (on the H200 every S but those the Triton kernels take, every S on the CPU) jnp's
+  autodiff is faster than our XLA backward (`backends.jnp_autodiff_preferred`): auto lowers
+  to exactly plain jnp's program."""
+  from vision_mlp_bwd.backends import jnp_autodiff_preferred
+  from vision_mlp_bwd.problem import Problem
+  hidden_state, params = _params(dtype, hidden=32, intermediate=96, tokens=40)
+  ours = _lowered_value_and_grad(vision_mlp_bwd.vision_mlp, hidden_state, *params)
+  assert ours == _lowered_value_and_grad(plain_mlp, hidden_state, *params)
+  xla = _lowered_value_and_grad(functools.partial(vision_mlp_bwd.vision_mlp, implementation="xla"),
+                                hidden_state, *params)
+  assert xla != ours
+  mode = for_inputs(canonicalize(None), dtype)
+  on_gpu = lambda s, m=mode, d=dtype: jnp_autodiff_preferred(
+      Problem(s, 1280, 3584, jnp.dtype(d), m), "gpu")
+  assert on_gpu(131) and on_gpu(4096) and on_gpu(16384)
+  assert not any(on_gpu(s) for s in (1, 64, 128, 211, 256))   # the Triton kernels run there
+  assert not on_gpu(4096, DotMode.F16 if dtype == jnp.bfloat16 else DotMode.BF16)
+  assert not on_gpu(4096, DotMode.TF32, jnp.float32)
 
 
 @pytest.mark.transcendental

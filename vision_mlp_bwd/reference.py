@@ -7,6 +7,7 @@ Layouts follow torch `nn.Linear` (and the SOL-ExecBench contract): weights are
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs, xla_dot_general
@@ -67,6 +68,20 @@ def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, pre
   output = (xla_dot_general(gelu_output, fc2_weight, _ROWS_TIMES_WEIGHT_T, mode, dtype)
             + fc2_bias.astype(dtype))
   return output, fc1_output, gelu_output
+
+
+def jnp_mlp(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):
+  """The model as a JAX user writes it, for jax's own autodiff:
+  `jax.nn.gelu(x @ fc1_weight.T + fc1_bias, approximate=True) @ fc2_weight.T + fc2_bias`
+  on `hidden_state` `[..., H]`, each product as `precision` means to `jnp.matmul`."""
+  dtype = hidden_state.dtype
+  mode = for_inputs(canonicalize(precision), dtype)
+  rows = hidden_state.reshape(-1, hidden_state.shape[-1])
+  # `w.T` spelled out as jnp spells it, so that XLA sees the very program plain jnp gives.
+  fc1_output = xla_dot_general(rows, fc1_weight.T, _ROWS_TIMES_WEIGHT, mode, dtype) + fc1_bias
+  output = xla_dot_general(jax.nn.gelu(fc1_output, approximate=True), fc2_weight.T,
+                           _ROWS_TIMES_WEIGHT, mode, dtype) + fc2_bias
+  return output.reshape(*hidden_state.shape[:-1], -1)
 
 
 def pre_activation_grad(grad_output, fc2_weight, fc1_output, mode: DotMode):

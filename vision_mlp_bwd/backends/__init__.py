@@ -59,3 +59,19 @@ def choose(implementation: str | None, problem: Problem, platform: str) -> Backe
     if backend.unsupported_reason(problem, platform) is None and backend.preferred(problem, platform):
       return backend
   return _REGISTRY["xla"]
+
+
+def jnp_autodiff_preferred(problem: Problem, platform: str) -> bool:
+  """Whether `vision_mlp`'s automatic choice is jax's autodiff of the model written in jnp.
+
+  True on 16-bit inputs multiplied in their own dtype wherever the XLA backward
+  would run. There XLA compiles jnp's autodiff into fewer passes over the
+  `[S, I]` tensors than our XLA backward: it writes the 16-bit pre-GELU
+  gradient once and sums the bias gradient in the same pass, where ours writes
+  it in fp32 first. On the H200, bf16 at S=16384, 1400 µs against 1502 µs
+  (benchmarks/results/probes/training_step/training_step_h200_20261201-134437_breakdown.md).
+  """
+  own_dtype = problem.mode.operand_dtype is not None and (
+      problem.mode.operand_dtype == problem.dtype)
+  return (problem.dtype.itemsize == 2 and own_dtype
+          and choose(None, problem, platform).name == "xla")
