@@ -7,7 +7,8 @@ and the engine (`vision_mlp_bwd.backends.mosaic.engine.matmul`) over a few
 configurations, in the same run: CUPTI device time, L2 flushed before every
 call, median (`benchmarks/timing.py`). Each engine result is checked first
 against the componentwise bound |C - C_ref| <= 2 γ_K (|A| |B|) of two fp32
-accumulations of the same exact products. Writes `engine_<device>_<date>.{json,md}`.
+accumulations of the same exact products, and for bitwise equality of two
+calls. Writes `engine_<device>_<date>.{json,md}`.
 """
 
 from __future__ import annotations
@@ -35,16 +36,15 @@ PRODUCTS = {
 }
 CONFIGS = {   # block (rows x columns), contraction step, stages, snake band width, ...
     "128x256 k64 st3 w8 minor-m": C(stages=3, grid_minor="m"),
-    "128x256 k64 st3 w8 minor-m f1": C(stages=3, grid_minor="m", mma_in_flight=1),
-    "256x128 k64 st3 w8 f1": C(stages=3, split="m", mma_in_flight=1),
     "128x128 k64 st5 w8": C(tile_n=64, stages=5),
-    "128x128 k64 st5 w8 f1": C(tile_n=64, stages=5, mma_in_flight=1),
-    "128x128 k128 st3 w8 f1 e64x32": C(tile_n=64, tile_k=128, stages=3, mma_in_flight=1,
-                                       epilogue_tile=(64, 32)),
-    "128x256 k128 st2 w8 f1 e64x32": C(tile_k=128, stages=2, mma_in_flight=1,
-                                       epilogue_tile=(64, 32)),
     "128x128 k64 st6 w8 f1 e64x32": C(tile_n=64, stages=6, mma_in_flight=1,
                                       epilogue_tile=(64, 32)),
+    # ... and "tN": the last wave's blocks split along K into up to N parts.
+    "128x256 k64 st3 w8 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
+    "256x128 k64 st3 w8 t16": C(stages=3, split="m", tail_splits=16),
+    "128x128 k64 st5 w8 t16": C(tile_n=64, stages=5, tail_splits=16),
+    "128x128 k64 st6 w8 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
+                                          epilogue_tile=(64, 32), tail_splits=16),
 }
 
 
@@ -92,14 +92,21 @@ def main(argv=None):
             print(f"    {label:28s} WRONG: exceeds the bound by {excess:.3e}", flush=True)
             row["engine"][label] = dict(error="exceeds bound")
             continue
+          if not bool(jnp.array_equal(out, fn(a, b))):
+            print(f"    {label:28s} WRONG: two calls differ", flush=True)
+            row["engine"][label] = dict(error="not deterministic")
+            continue
           us = timing.device_times_us(fn, a, b, iterations=args.iterations).median_us
         except Exception as e:  # noqa: BLE001 - a config that does not fit: report, go on
           print(f"    {label:28s} {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
           row["engine"][label] = dict(error=type(e).__name__)
           continue
-        row["engine"][label] = dict(us=us, tflops=flops / us / 1e6)
-        print(f"    {label:28s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s "
-              f"({row['cublas_us'] / us:.2f}x cuBLAS)", flush=True)
+        plan = engine.schedule(m, n, k, config, engine.num_sms())
+        row["engine"][label] = dict(us=us, tflops=flops / us / 1e6, whole_blocks=plan.whole,
+                                    tail_blocks=plan.tail, tail_splits=plan.splits)
+        print(f"    {label:34s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s "
+              f"({row['cublas_us'] / us:.2f}x cuBLAS; {plan.whole} whole blocks, {plan.tail} "
+              f"in {plan.splits} parts)", flush=True)
       rows.append(row)
   stem, date = result_stem(args.out, "engine")
   md = [f"# Mosaic GEMM engine against cuBLAS ({jax.devices()[0].device_kind}, {date}, "

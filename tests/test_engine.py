@@ -63,3 +63,76 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.GemmConfig(split="k")
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
+
+
+SCHEDULE_CASES = [  # (M, N, K, config, programs)
+    (1280, 3584, 4096, engine.GemmConfig(tile_n=64, stages=6, tail_splits=16), 132),
+    (1280, 3584, 4096, engine.GemmConfig(stages=3, tail_splits=16), 132),
+    (3584, 1280, 1024, engine.GemmConfig(stages=3, tail_splits=16), 132),
+    (4096, 3584, 1280, engine.GemmConfig(stages=3, tail_splits=4), 132),
+    (4104, 3584, 1280, engine.GemmConfig(stages=3, split="m", tail_splits=16), 132),
+    (64, 3584, 1280, engine.GemmConfig(stages=3, tail_splits=8), 132),
+    (1000, 1000, 999, engine.GemmConfig(stages=2, tail_splits=7), 13),
+    (1280, 3584, 4096, engine.GemmConfig(stages=3), 132),
+]
+
+
+@pytest.mark.parametrize("m, n, k, config, programs", SCHEDULE_CASES)
+def test_schedule_covers_every_block_and_contraction_step_once(m, n, k, config, programs):
+  """Whole blocks are the first in row-major order and fill whole waves; each tail block's
+  parts cover its K-steps once (the last may run past K), at least `stages` steps each."""
+  plan = engine.schedule(m, n, k, config, programs)
+  grid_m, grid_n = plan.grid_mn
+  block_m, block_n = config.block
+  assert (grid_m - 1) * block_m < m <= grid_m * block_m
+  assert (grid_n - 1) * block_n < n <= grid_n * block_n
+  assert plan.k_steps == -(-k // config.tile_k) and plan.programs <= programs
+  if plan.splits == 1:
+    assert plan.whole == grid_m * grid_n
+    return
+  assert plan.whole % plan.programs == 0 and plan.tail * plan.splits <= plan.programs
+  assert 2 <= plan.splits <= config.tail_splits and plan.steps_per_split >= config.stages
+  assert (plan.splits - 1) * plan.steps_per_split < plan.k_steps <= (
+      plan.splits * plan.steps_per_split)
+
+
+@pytest.mark.parametrize("m, n, block", [(1280, 3584, (128, 256)), (1000, 1000, (128, 128)),
+                                         (300, 520, (128, 128))])
+def test_tail_parts_are_summed_in_order_into_the_last_blocks_only(m, n, block):
+  """`_write_tail` on the CPU: each tail block becomes the left-to-right sum of its parts
+  (bitwise the same order), cut at the array's ends; every other element is untouched."""
+  grid_m, grid_n = -(-m // block[0]), -(-n // block[1])
+  for tail in (1, grid_n - 1, grid_n + 1, 2 * grid_n):
+    if not 0 < tail < grid_m * grid_n:
+      continue
+    splits = 3
+    plan = engine.Schedule((grid_m, grid_n), 132, 12, grid_m * grid_n - tail, splits, 4)
+    parts = jax.random.normal(helpers.fresh_key(), (tail * splits, *block), jnp.float32)
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    out = engine._write_tail(poison, parts, plan, block)
+    sums = parts.reshape(tail, splits, *block)
+    sums = (sums[:, 0] + sums[:, 1]) + sums[:, 2]
+    expected = jnp.full((grid_m * block[0], grid_n * block[1]), jnp.nan, jnp.float32)
+    for t in range(tail):
+      bm, bn = divmod(plan.whole + t, grid_n)
+      expected = expected.at[bm * block[0]:(bm + 1) * block[0],
+                             bn * block[1]:(bn + 1) * block[1]].set(sums[t])
+    assert out.shape == (m, n) and out.dtype == jnp.float32
+    assert bool(jnp.array_equal(out, expected[:m, :n], equal_nan=True)), (m, n, tail)
+
+
+@needs_lowering
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_split_tails_lower_for_16_bit_outputs_and_ragged_sizes(out_dtype):
+  """A 16-bit output keeps fp32 partials in their own, half-width epilogue buffers."""
+  config = engine.GemmConfig(stages=3, tail_splits=16)
+  for m, k, n, transpose_a in ((1280, 4096, 3584, True), (1088, 4000, 1024, True),
+                               (216, 1280, 3584, False)):
+    plan = engine.schedule(m, n, k, config, 132)
+    assert plan.splits > 1, plan
+    a = jax.ShapeDtypeStruct((k, m) if transpose_a else (m, k), jnp.bfloat16)
+    b = jax.ShapeDtypeStruct((k, n), jnp.bfloat16)
+    fn = functools.partial(engine.matmul, transpose_a=transpose_a, config=config,
+                           out_dtype=out_dtype, num_programs=132)
+    text = jax.jit(fn).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "dynamic_update_slice" in text

@@ -18,9 +18,20 @@ How it runs (the design of jax's `hopper_matmul_mgpu` example):
   `epilogue_tile` pieces, double-buffered, so the next block's loads start
   while the stores drain.
 
+The last wave: a persistent grid of P programs over T output blocks leaves
+T mod P blocks for a last, partly idle wave (the weight gradients at
+H=1280, I=3584 have 140 blocks of 128x256 on 132 SMs: 8 blocks, a second
+wave at 6% occupancy). With `tail_splits`, those r = T mod P blocks are
+instead split along K into up to P // r parts, so every program has work
+until the end. Each part writes its fp32 partial block to a workspace; they
+are summed in a fixed order (no atomics: the result is bitwise
+deterministic) and written into the output's last r blocks, which form at
+most two rectangles because the order of blocks is row-major at the end.
+
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
-M, N and K need not be multiples of a tile; 16-bit arrays need a row count
-that is a multiple of 8 (TMA's tiled layouts).
+M, N and K need not be multiples of a tile; each 16-bit array needs a row
+count that is a multiple of 8 and a row length that is a multiple of 64
+(TMA's tiled, 128-byte swizzled layouts).
 """
 
 from __future__ import annotations
@@ -53,6 +64,9 @@ class GemmConfig:
   # stage's buffers are released one step later, and the next step's MMAs are
   # issued before the last ones finish.
   mma_in_flight: int = 0
+  # At most this many K-parts for each block of the last wave (1: no split);
+  # each part keeps at least `stages` contraction steps.
+  tail_splits: int = 1
 
   @property
   def block(self) -> tuple[int, int]:
@@ -63,6 +77,46 @@ class GemmConfig:
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
+    if self.tail_splits < 1:
+      raise ValueError(f"GemmConfig.tail_splits must be >= 1: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """How a persistent grid of `programs` covers `grid_mn` blocks.
+
+  The first `whole` blocks in row-major order are computed whole; each of the
+  remaining blocks is computed in `splits` parts of `steps_per_split`
+  contraction steps (the last part may read past K, which reads zeros).
+  """
+
+  grid_mn: tuple[int, int]
+  programs: int
+  k_steps: int
+  whole: int
+  splits: int
+  steps_per_split: int
+
+  @property
+  def tail(self) -> int:
+    return self.grid_mn[0] * self.grid_mn[1] - self.whole
+
+
+def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Schedule:
+  """The blocks, and the split of the last wave's blocks along K (see the module docstring)."""
+  block_m, block_n = config.block
+  grid_mn = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
+  blocks = grid_mn[0] * grid_mn[1]
+  k_steps = pl.cdiv(k, config.tile_k)
+  programs = min(programs, blocks * config.tail_splits)
+  tail = blocks % programs if blocks >= programs else blocks
+  splits = min(programs // tail if tail else 1, config.tail_splits,
+               k_steps // max(config.stages, 1))
+  if tail == 0 or splits < 2:
+    return Schedule(grid_mn, min(programs, blocks), k_steps, blocks, 1, k_steps)
+  steps_per_split = pl.cdiv(k_steps, splits)
+  splits = pl.cdiv(k_steps, steps_per_split)
+  return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split)
 
 
 def _tiles(dtype):
@@ -71,7 +125,7 @@ def _tiles(dtype):
           plgpu.SwizzleTransform(SWIZZLE))
 
 
-def _num_sms() -> int:
+def num_sms() -> int:
   device = jax.devices()[0]
   return int(getattr(device, "core_count", 0) or 132)
 
@@ -89,23 +143,53 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if transpose_a and config.split == "m":
     raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
                      "use split='n'.")
+  plan = schedule(m, n, k, config, num_programs or num_sms())
   block_m, block_n = config.block
-  grid = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
-  programs = min(num_programs or _num_sms(), grid[0] * grid[1])
-  kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, grid_mn=grid,
-                             k_steps=pl.cdiv(k, config.tile_k))
-  return plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-      grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
+  kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan)
+  out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+  if plan.splits > 1:
+    out_types.append(jax.ShapeDtypeStruct((plan.tail * plan.splits, block_m, block_n),
+                                          jnp.float32))
+  outs = plgpu.kernel(
+      kernel, out_type=tuple(out_types),
+      grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(a, b)
+  if plan.splits == 1:
+    return outs[0]
+  return _write_tail(outs[0], outs[1], plan, config.block)
 
 
-def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, grid_mn,
-            k_steps):
+def _write_tail(out, partials, plan: Schedule, block):
+  """Sums each tail block's K-parts in order and writes them into the output's last blocks."""
+  (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
+  m, n = out.shape
+  parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
+  total = parts[:, 0]
+  for part in range(1, plan.splits):   # a fixed order: bitwise deterministic
+    total = total + parts[:, part]
+  total = total.astype(out.dtype)
+  first_row, first_col = divmod(plan.whole, grid_n)
+  pieces = []                          # (block row, block column, blocks) of each rectangle
+  if first_col:
+    pieces.append((first_row, first_col, total[:grid_n - first_col][None]))
+    total, first_row = total[grid_n - first_col:], first_row + 1
+  if first_row < grid_m:
+    pieces.append((first_row, 0, total.reshape(grid_m - first_row, grid_n, block_m, block_n)))
+  for row, col, blocks in pieces:
+    rows, cols = blocks.shape[0], blocks.shape[1]
+    rect = blocks.transpose(0, 2, 1, 3).reshape(rows * block_m, cols * block_n)
+    r0, c0 = row * block_m, col * block_n
+    out = lax.dynamic_update_slice(out, rect[:m - r0, :n - c0], (r0, c0))
+  return out
+
+
+def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpose_a: bool,
+            plan: Schedule):
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
+  grid_m, grid_n = plan.grid_mn
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(2, pieces)
@@ -119,48 +203,56 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, 
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=_tiles(dtype),
                            delay_release=delay)
 
-  def pipeline(body, compute_context):
+  def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40, in_specs=[a_spec, b_spec],
+        body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
         compute_context=compute_context)
 
   ignore = lambda *_, **__: None
+  partial_dtype = jnp.float32
+  separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
+
+  # Two warpgroups x `slots` buffers of one epilogue piece; fp32 partials of a
+  # 16-bit product get pieces half as wide, in as many bytes as the output's.
+  epilogue_smem = lambda dtype, width: plgpu.SMEM((2, slots, epi_m, width), dtype,
+                                                  transforms=_tiles(dtype))
+  extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, epi_n // 2))
+                if separate_partial_smem else {})
 
   @functools.partial(
       pl.run_scoped,
-      allocations=pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
-      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype, transforms=_tiles(out_dtype)),
-      collective_axes="wg")
-  def _scope(allocations, out_smem):
+      allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
+      out_smem=epilogue_smem(out_dtype, epi_n), **extra_smem, collective_axes="wg")
+  def _scope(allocations, out_smem, partial_smem=None):
     wg = lax.axis_index("wg")
+    if config.split == "m":
+      wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
+    else:
+      wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
 
-    @plgpu.nd_loop((grid_mn[0] * grid_mn[1],), collective_axes="program")
-    def _blocks(loop):
-      (index,) = loop.index
-      bm, bn = plgpu.planar_snake(index, grid_mn, 0 if config.grid_minor == "m" else 1,
-                                  config.grid_tile_width)
+    def run_block(bm, bn, k_first_step, steps, dest, smem):
+      """Accumulates block (bm, bn) over `steps` contraction steps; stores it to `dest`."""
       block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
-      if config.split == "m":
-        wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
-      else:
-        wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+      k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           run_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)   # waits for the MMAs still in flight
+          acc = acc_ref[...].astype(smem.dtype)   # waits for the MMAs still in flight
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
-          out = out_gmem.at[block_rows, block_cols].at[wg_rows, wg_cols]
+          out = dest.at[wg_rows, wg_cols]
+          piece_n = smem.shape[-1]
           for pm in range(tile_m // epi_m):
-            for pn in range(tile_n // epi_n):
-              slot = (pm * (tile_n // epi_n) + pn) % slots
-              rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
+            for pn in range(tile_n // piece_n):
+              slot = (pm * (tile_n // piece_n) + pn) % slots
+              rows = slice(pm * epi_m, (pm + 1) * epi_m)
+              cols = slice(pn * piece_n, (pn + 1) * piece_n)
               plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-              out_smem[wg, slot] = acc[rows, cols]
+              smem[wg, slot] = acc[rows, cols]
               plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out.at[rows, cols])
+              plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
 
       def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
@@ -171,7 +263,30 @@ def _kernel(a_gmem, b_gmem, out_gmem, *, config: GemmConfig, transpose_a: bool, 
         plgpu.wgmma_wait(delay)
         return acc_ref
 
-      a_view = a_gmem.at[:, block_rows] if transpose_a else a_gmem.at[block_rows, :]
-      pipeline(mma, compute_context)(a_view, b_gmem.at[:, block_cols], allocations=allocations)
+      a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
+      pipeline(mma, compute_context, steps)(a_view, b_gmem.at[k_range, block_cols],
+                                            allocations=allocations)
+
+    whole_rows, extra = divmod(plan.whole, grid_n)   # full block rows, then `extra` blocks
+
+    def _whole_blocks(loop):
+      (index,) = loop.index
+      in_rows = index < whole_rows * grid_n
+      bm, bn = plgpu.planar_snake(index, (max(whole_rows, 1), grid_n),
+                                  0 if config.grid_minor == "m" else 1, config.grid_tile_width)
+      bm = lax.select(in_rows, bm, jnp.int32(whole_rows))
+      bn = lax.select(in_rows, bn, index - whole_rows * grid_n)
+      dest = out_gmem.at[pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)]
+      run_block(bm, bn, 0, plan.k_steps, dest, out_smem)
+
+    if plan.whole:
+      plgpu.nd_loop((plan.whole,), collective_axes="program")(_whole_blocks)
+    if partial_gmem:
+      @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
+      def _tail_parts(loop):
+        (index,) = loop.index
+        bm, bn = divmod(plan.whole + index // plan.splits, grid_n)
+        run_block(bm, bn, (index % plan.splits) * plan.steps_per_split, plan.steps_per_split,
+                  partial_gmem[0].at[index], partial_smem if separate_partial_smem else out_smem)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
