@@ -45,12 +45,6 @@ CONFIGS = {   # block (rows x columns), contraction step, stages, snake band wid
     "128x128 k64 st5 w8 t16": C(tile_n=64, stages=5, tail_splits=16),
     "128x128 k64 st6 w8 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
                                           epilogue_tile=(64, 32), tail_splits=16),
-    # ... and "cM"/"cN": 2-CTA clusters along M (B multicast) or N (A multicast).
-    "128x256 k64 st3 w8 minor-m cM": C(stages=3, grid_minor="m", cluster="m"),
-    "128x256 k64 st3 w8 cN": C(stages=3, cluster="n"),
-    "256x128 k64 st3 w8 cN": C(stages=3, split="m", cluster="n"),
-    "128x128 k64 st6 w8 f1 e64x32 cM": C(tile_n=64, stages=6, mma_in_flight=1,
-                                         epilogue_tile=(64, 32), cluster="m"),
 }
 
 

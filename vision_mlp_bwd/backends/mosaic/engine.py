@@ -67,10 +67,6 @@ class GemmConfig:
   # At most this many K-parts for each block of the last wave (1: no split);
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
-  # "m" or "n": pairs of programs (a 2-CTA cluster) compute blocks adjacent
-  # along that dimension, and TMA multicasts the operand tile they share
-  # (B for "m", A for "n") to both, halving its reads from L2. "": no cluster.
-  cluster: str = ""
 
   @property
   def block(self) -> tuple[int, int]:
@@ -83,14 +79,6 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
     if self.tail_splits < 1:
       raise ValueError(f"GemmConfig.tail_splits must be >= 1: {self}")
-    if self.cluster not in ("", "m", "n"):
-      raise ValueError(f"GemmConfig.cluster takes '', 'm' or 'n': {self}")
-    if self.cluster and self.tail_splits > 1:
-      raise ValueError(f"GemmConfig: a cluster with tail_splits is not supported yet: {self}")
-
-  @property
-  def cluster_size(self) -> int:
-    return 2 if self.cluster else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +108,6 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   grid_mn = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
   blocks = grid_mn[0] * grid_mn[1]
   k_steps = pl.cdiv(k, config.tile_k)
-  if config.cluster:   # whole blocks only, in pairs of programs
-    pairs = (pl.cdiv(grid_mn[0], 2) * grid_mn[1] if config.cluster == "m"
-             else grid_mn[0] * pl.cdiv(grid_mn[1], 2))
-    return Schedule(grid_mn, 2 * min(programs // 2, pairs), k_steps, blocks, 1, k_steps)
   programs = min(programs, blocks * config.tail_splits)
   tail = blocks % programs if blocks >= programs else blocks
   splits = min(programs // tail if tail else 1, config.tail_splits,
@@ -166,11 +150,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct((plan.tail * plan.splits, block_m, block_n),
                                           jnp.float32))
-  clusters = dict(cluster=(2,), cluster_names=("cluster",)) if config.cluster else {}
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
-      grid=(plan.programs // config.cluster_size,), grid_names=("program",), **clusters,
-      num_threads=3, thread_name="wg",
+      grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(a, b)
   if plan.splits == 1:
@@ -213,14 +195,13 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
   slots = min(2, pieces)
 
   delay = config.mma_in_flight
-  shared = lambda operand: ("cluster",) if config.cluster == {"a": "n", "b": "m"}[operand] else ()
   a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=_tiles(dtype),
-                            delay_release=delay, collective_axes=shared("a"))
+                            delay_release=delay)
             if transpose_a else
             plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=_tiles(dtype),
-                            delay_release=delay, collective_axes=shared("a")))
+                            delay_release=delay))
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=_tiles(dtype),
-                           delay_release=delay, collective_axes=shared("b"))
+                           delay_release=delay)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -285,26 +266,6 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
       a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
       pipeline(mma, compute_context, steps)(a_view, b_gmem.at[k_range, block_cols],
                                             allocations=allocations)
-
-    def _cluster_blocks(loop):
-      (index,) = loop.index
-      pair_grid = ((pl.cdiv(grid_m, 2), grid_n) if config.cluster == "m"
-                   else (grid_m, pl.cdiv(grid_n, 2)))
-      bm, bn = plgpu.planar_snake(index, pair_grid, 0 if config.grid_minor == "m" else 1,
-                                  config.grid_tile_width)
-      member = lax.axis_index("cluster")   # a pair's second block may lie past the end
-      if config.cluster == "m":
-        bm = 2 * bm + member
-      else:
-        bn = 2 * bn + member
-      dest = out_gmem.at[pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)]
-      run_block(bm, bn, 0, plan.k_steps, dest, out_smem)
-
-    if config.cluster:
-      pairs = (pl.cdiv(grid_m, 2) * grid_n if config.cluster == "m"
-               else grid_m * pl.cdiv(grid_n, 2))
-      plgpu.nd_loop((pairs,), collective_axes="program")(_cluster_blocks)
-      return
 
     whole_rows, extra = divmod(plan.whole, grid_n)   # full block rows, then `extra` blocks
 
