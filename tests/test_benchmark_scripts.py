@@ -20,7 +20,8 @@ def test_training_step_demo_writes_its_tables(tmp_path):
   rows = json.loads(record.read_text())["forward_backward"]
   assert [(r["dtype"], r["seq_len"]) for r in rows] == [("bf16", 8)]
   row = rows[0]
-  assert row["plain"] > 0 and row["auto"] > 0 and row["triton"] > 0 and row["backend"] == "xla"
+  assert row["plain"] > 0 and row["auto"] > 0 and row["triton"] > 0
+  assert row["backend"] == "jnp autodiff"   # bf16 where XLA would run: jnp's own autodiff
   assert row["auto_vs_plain"] == row["plain"] / row["auto"]
   assert record.with_suffix(".png").exists()
   assert "| bf16 | 8 |" in record.with_suffix(".md").read_text()

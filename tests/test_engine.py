@@ -136,3 +136,13 @@ def test_split_tails_lower_for_16_bit_outputs_and_ragged_sizes(out_dtype):
                            out_dtype=out_dtype, num_programs=132)
     text = jax.jit(fn).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text and "dynamic_update_slice" in text
+
+
+def test_engine_shapes_cases_are_well_formed():
+  """benchmarks/engine_shapes.py's cases build their configs and schedules on the CPU."""
+  from benchmarks import engine_shapes
+  for m, k, n, transpose_a, fields, out_dtype in engine_shapes.CASES:
+    config = engine.GemmConfig(**fields)
+    plan = engine.schedule(m, n, k, config, 132)
+    assert plan.programs == 132 and plan.whole + plan.tail == plan.grid_mn[0] * plan.grid_mn[1]
+    assert jnp.dtype(out_dtype).itemsize * config.epilogue_tile[1] >= engine.SWIZZLE

@@ -92,7 +92,29 @@ def pre_activation_grad(grad_output, fc2_weight, fc1_output, mode: DotMode):
   as in jnp's autodiff; on fp32 inputs it stays fp32)."""
   grad_gelu = xla_dot_general(grad_output, fc2_weight, _ROWS_TIMES_WEIGHT, mode,
                               grad_output.dtype)
+  return gelu_backward(grad_gelu, fc1_output)
+
+
+def gelu_backward(grad_gelu, fc1_output):
+  """`grad_gelu * gelu'(fc1_output)` in fp32, whatever the dtypes of the two."""
   return grad_gelu.astype(jnp.float32) * gelu_tanh_grad(fc1_output.astype(jnp.float32))
+
+
+def pre_gelu_operand_and_bias_grad(grad_fc1_output, mode: DotMode, dtype):
+  """(what the two products read of the fp32 pre-GELU gradient, `grad_fc1_bias` in fp32).
+
+  On 16-bit inputs (`dtype`), as in jnp's autodiff, the gradient is stored in
+  the input dtype and the bias gradient sums what is stored: the products'
+  operand. On fp32 inputs the bias gradient sums the fp32 values, and 16-bit
+  modes round the operand once for both products.
+  """
+  if jnp.dtype(dtype).itemsize == 2:
+    operand = grad_fc1_output.astype(mode.operand_dtype)
+    return operand, jnp.sum(operand.astype(jnp.float32), axis=0)
+  bias_grad = jnp.sum(grad_fc1_output, axis=0)
+  if mode.operand_dtype is not None:
+    grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
+  return grad_fc1_output, bias_grad
 
 
 def input_grad(grad_fc1_output, fc1_weight, mode: DotMode, out_dtype=jnp.float32):
@@ -114,16 +136,8 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   dtype = jnp.dtype(hidden_state.dtype)   # every input's, and every gradient's
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode, dtype)
-  grad_fc1_output = pre_activation_grad(grad_output, fc2_weight, fc1_output, mode)
-  if dtype.itemsize == 2:
-    # On 16-bit inputs, as in jnp's autodiff, the bias gradient sums the pre-GELU
-    # gradient as stored in the input dtype: the operand of both products.
-    grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
-    grad_fc1_bias = jnp.sum(grad_fc1_output.astype(jnp.float32), axis=0)
-  else:
-    grad_fc1_bias = jnp.sum(grad_fc1_output, axis=0)
-    if mode.operand_dtype is not None:   # the products' operand, rounded once for both
-      grad_fc1_output = grad_fc1_output.astype(mode.operand_dtype)
+  grad_fc1_output, grad_fc1_bias = pre_gelu_operand_and_bias_grad(
+      pre_activation_grad(grad_output, fc2_weight, fc1_output, mode), mode, dtype)
   grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode, dtype)
   grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode, dtype)
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,

@@ -2,9 +2,10 @@
 
 A backend is an object with a `name`, `unsupported_reason(problem, platform)`
 (None when it can run the problem), `preferred(problem, platform)` (whether the
-automatic choice should take it) and `backward(...)`. A new backend (e.g. a
-Mosaic-GPU one for Hopper) is one module plus one line in `_REGISTRY`; callers
-of the public API do not change.
+automatic choice should take it) and `backward(...)`. A new backend is one
+module plus one line in `_REGISTRY`; callers of the public API do not change.
+The Hopper backend (`backends/mosaic`) joins it, first in order, once its GPU
+tests pass; it then runs where its routing data says it measured faster.
 """
 
 from __future__ import annotations

@@ -1,1 +1,51 @@
-"""The Hopper backend (Pallas Mosaic GPU): its GEMM engine and, built on it, the backward."""
+"""The Hopper backend (Pallas Mosaic GPU): its GEMM engine and, built on it, the backward.
+
+Not yet in the registry (`vision_mlp_bwd.backends`): it joins it once its GPU
+tests (tests/test_gpu.py, `test_mosaic_*`) pass; until then it is called
+directly, as `backward(..., problem=...)` or `BACKEND`.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from vision_mlp_bwd.backends.mosaic.backward_sm90 import TABLES, backward
+from vision_mlp_bwd.problem import Problem
+
+__all__ = ["BACKEND", "backward"]
+
+ROW_LENGTH = 64   # H and I: whole 128-byte swizzled rows of 16-bit values
+
+
+class MosaicBackend:
+  name = "mosaic"
+
+  def unsupported_reason(self, problem: Problem, platform: str) -> str | None:
+    if problem.mode.operand_dtype is None:
+      return (f"{problem.mode.name} on {problem.dtype.name} inputs multiplies in 32 bits; "
+              "this backend runs 16-bit products only (F16_F16_F32 or BF16_BF16_F32 "
+              "precision, or bf16/f16 inputs).")
+    for name, size in (("H", problem.hidden), ("I", problem.intermediate)):
+      if size % ROW_LENGTH:
+        return f"{name}={size} is not a multiple of {ROW_LENGTH}."
+    if platform != "gpu":
+      return f"the Mosaic GPU kernels run on Hopper GPUs only, not on {platform}."
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if capability is None or not str(capability).startswith("9"):
+      return f"wgmma needs a Hopper GPU (compute capability 9.x), not {capability}."
+    return None
+
+  def preferred(self, problem: Problem, platform: str) -> bool:
+    """Where it measured faster than the others: `configs/h200.json`'s routing, S ranges
+    by input dtype and mode (e.g. `{"float32": {"f16": [[1024, null]]}}`)."""
+    del platform
+    ranges = TABLES.routing.get(problem.dtype.name, {}).get(problem.mode.value, ())
+    return any(lo <= problem.tokens and (hi is None or problem.tokens <= hi) for lo, hi in ranges)
+
+  def backward(self, grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+               fc1_output, gelu_output, problem: Problem):
+    return backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
+                    fc1_output, gelu_output, problem)
+
+
+BACKEND = MosaicBackend()

@@ -108,12 +108,13 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   grid_mn = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
   blocks = grid_mn[0] * grid_mn[1]
   k_steps = pl.cdiv(k, config.tile_k)
-  programs = min(programs, blocks * config.tail_splits)
+  # Every SM gets a program even when there are fewer blocks (the others find no work): a
+  # grid smaller than the SM count faulted on the H200 (benchmarks/engine_shapes.py).
   tail = blocks % programs if blocks >= programs else blocks
   splits = min(programs // tail if tail else 1, config.tail_splits,
                k_steps // max(config.stages, 1))
   if tail == 0 or splits < 2:
-    return Schedule(grid_mn, min(programs, blocks), k_steps, blocks, 1, k_steps)
+    return Schedule(grid_mn, programs, k_steps, blocks, 1, k_steps)
   steps_per_split = pl.cdiv(k_steps, splits)
   splits = pl.cdiv(k_steps, steps_per_split)
   return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split)
@@ -143,6 +144,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if transpose_a and config.split == "m":
     raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
                      "use split='n'.")
+  piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
+  if piece_bytes < SWIZZLE:
+    raise ValueError(f"GemmConfig.epilogue_tile {config.epilogue_tile} stores rows of "
+                     f"{piece_bytes} bytes of {jnp.dtype(out_dtype).name}; the swizzled "
+                     f"epilogue needs >= {SWIZZLE}.")
   plan = schedule(m, n, k, config, num_programs or num_sms())
   block_m, block_n = config.block
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan)
@@ -213,17 +219,18 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
   partial_dtype = jnp.float32
   separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
 
-  # Two warpgroups x `slots` buffers of one epilogue piece; fp32 partials of a
-  # 16-bit product get pieces half as wide, in as many bytes as the output's.
-  epilogue_smem = lambda dtype, width: plgpu.SMEM((2, slots, epi_m, width), dtype,
-                                                  transforms=_tiles(dtype))
-  extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, epi_n // 2))
+  # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
+  # of a 16-bit product get one buffer each, at least 32 columns wide (a
+  # 128-byte swizzle), so the two epilogues fit beside the operand ring.
+  epilogue_smem = lambda dtype, buffers, width: plgpu.SMEM(
+      (2, buffers, epi_m, width), dtype, transforms=_tiles(dtype))
+  extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, 1, max(epi_n, 32)))
                 if separate_partial_smem else {})
 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
-      out_smem=epilogue_smem(out_dtype, epi_n), **extra_smem, collective_axes="wg")
+      out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None):
     wg = lax.axis_index("wg")
     if config.split == "m":
@@ -243,13 +250,13 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
           acc = acc_ref[...].astype(smem.dtype)   # waits for the MMAs still in flight
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
           out = dest.at[wg_rows, wg_cols]
-          piece_n = smem.shape[-1]
+          buffers, piece_n = smem.shape[1], smem.shape[-1]
           for pm in range(tile_m // epi_m):
             for pn in range(tile_n // piece_n):
-              slot = (pm * (tile_n // piece_n) + pn) % slots
+              slot = (pm * (tile_n // piece_n) + pn) % buffers
               rows = slice(pm * epi_m, (pm + 1) * epi_m)
               cols = slice(pn * piece_n, (pn + 1) * piece_n)
-              plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+              plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
               smem[wg, slot] = acc[rows, cols]
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])

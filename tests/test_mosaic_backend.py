@@ -1,0 +1,96 @@
+"""The Mosaic backend (backends/mosaic): where it runs, what it refuses, and that it lowers.
+
+Its numbers are held on the GPU (tests/test_gpu.py: bounds at ragged S, determinism;
+the backend joins the registry once those pass); here the whole backward is lowered
+for CUDA without a GPU at S that leave a tail in every block dimension.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from vision_mlp_bwd.backends import mosaic
+from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
+from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.problem import Problem
+from tests import helpers
+
+needs_lowering = pytest.mark.skipif(not helpers.cuda_lowering_without_gpu(),
+                                    reason="this JAX lowers for CUDA only on a GPU")
+H, I = 1280, 3584
+MODES = [(jnp.float32, DotMode.F16), (jnp.float32, DotMode.BF16), (jnp.bfloat16, DotMode.BF16),
+         (jnp.float16, DotMode.F16), (jnp.bfloat16, DotMode.F16)]
+
+
+def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate=I):
+  return Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
+
+
+@needs_lowering
+@pytest.mark.parametrize("tokens", [1, 7, 129, 2500, 8192])
+@pytest.mark.parametrize("dtype, mode", MODES, ids=lambda v: getattr(v, "name", str(v)))
+def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode):
+  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+  problem = _problem(tokens, dtype, mode)
+  lowered = jax.jit(lambda *a: mosaic.backward(*a, problem=problem)).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  assert [(o.shape, o.dtype) for o in lowered.out_info] == [
+      ((tokens, H), dtype), ((I, H), dtype), ((I,), dtype), ((H, I), dtype), ((H,), dtype)]
+  text = lowered.as_text()
+  assert text.count("mosaic_gpu") >= 4, "expected the engine's four products"
+  assert "dot_general" not in text, "a product ran in XLA"
+
+
+def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
+  backend = mosaic.BACKEND
+  assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.TF32), "gpu")
+  assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.HIGHEST), "gpu")
+  assert "H=1000 is not a multiple of 64" in backend.unsupported_reason(
+      _problem(64, hidden=1000), "gpu")
+  assert "I=4304 is not a multiple of 64" in backend.unsupported_reason(
+      _problem(64, intermediate=4304), "gpu")
+  assert "Hopper" in backend.unsupported_reason(_problem(64), "cpu")
+  assert backend.unsupported_reason(_problem(64, jnp.bfloat16, DotMode.BF16), "cpu") == (
+      backend.unsupported_reason(_problem(64), "cpu"))
+
+
+def test_it_would_be_preferred_only_where_its_routing_says():
+  backend = mosaic.BACKEND
+  assert not backend.preferred(_problem(4096), "gpu")   # no measured win recorded yet
+  routed = mosaic_backward.Tables(mosaic_backward.TABLES.rows, mosaic_backward.TABLES.weight_grads,
+                                  {"float32": {"f16": [[1024, None]]}})
+  original = mosaic.TABLES
+  try:
+    mosaic.TABLES = routed
+    assert backend.preferred(_problem(4096), "gpu") and not backend.preferred(_problem(512), "gpu")
+    assert not backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")
+  finally:
+    mosaic.TABLES = original
+
+
+@pytest.mark.parametrize("tokens, rows_block, weight_block", [
+    (64, (128, 128), (128, 128)), (4096, (128, 128), (128, 128)),
+    (4097, (128, 256), (128, 256)), (16384, (128, 256), (128, 256))])
+def test_configs_by_s_from_the_file(tokens, rows_block, weight_block):
+  for dtype in (jnp.float32, jnp.bfloat16):
+    rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype))
+    assert (rows.block, weights.block) == (rows_block, weight_block)
+    # 16-bit outputs store 64-column (128-byte) epilogue pieces.
+    width = min(rows.epilogue_tile[1], weights.epilogue_tile[1]) * jnp.dtype(dtype).itemsize
+    assert width >= 128
+
+
+def test_its_config_file_cites_results_and_notes_that_exist():
+  import json
+  import pathlib
+  import re
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  document = json.loads(mosaic_backward.CONFIG_FILE.read_text())
+  sections = {int(n) for n in re.findall(r"^### (\d+)\.",
+                                         (repo / "benchmarks/NOTES.md").read_text(), re.M)}
+  assert set(document["provenance"]["notes"]) <= sections
+  for result in document["provenance"]["results"]:
+    assert (repo / result["path"]).is_file(), result["path"]

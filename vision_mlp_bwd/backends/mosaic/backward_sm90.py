@@ -1,0 +1,88 @@
+"""The backward on the GEMM engine: four engine products, the GELU derivative between them.
+
+On 16-bit products only (F16 or BF16 on fp32 inputs, any precision on bf16
+and f16 inputs, as `precision.for_inputs` says): the operands are cast to the
+product dtype (nothing to do on 16-bit inputs), the four products run in the
+layouts the operands arrive in, and the GELU derivative, the bias gradients
+and the rounding of the pre-GELU gradient are the reference's own functions,
+which XLA fuses into one pass between the products. Numerically it is the
+XLA backward with another fp32 accumulation order.
+
+The engine's TMA copies need rows in whole groups of 8; for other S the
+S-row operands are padded with zero rows (which add nothing to any sum) and
+the input gradient is cut back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+
+import jax.numpy as jnp
+
+from vision_mlp_bwd import reference
+from vision_mlp_bwd.backends.mosaic import engine
+from vision_mlp_bwd.problem import Problem
+
+ROW_GROUP = 8   # TMA's tiled rows
+CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """The engine configuration of each product by S: (largest S or None, GemmConfig) rows."""
+
+  rows: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
+  weight_grads: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
+  routing: dict
+
+  @classmethod
+  def load(cls, path=CONFIG_FILE) -> "Tables":
+    document = json.loads(pathlib.Path(path).read_text())
+    parse = lambda rows: tuple((bound, engine.GemmConfig(**{
+        k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
+        for bound, fields in rows)
+    tables = document["tables"]
+    return cls({name: parse(t["rows"]) for name, t in tables.items()},
+               {name: parse(t["weight_grads"]) for name, t in tables.items()},
+               document["routing"])
+
+  def configs(self, problem: Problem) -> tuple[engine.GemmConfig, engine.GemmConfig]:
+    """(the M = S products' config, the weight gradients' config) for this problem."""
+    outputs = "sixteen_bit_outputs" if problem.dtype.itemsize == 2 else "fp32_outputs"
+    pick = lambda rows: next(c for bound, c in rows if bound is None or problem.tokens <= bound)
+    return pick(self.rows[outputs]), pick(self.weight_grads[outputs])
+
+
+TABLES = Tables.load()
+
+
+def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
+             gelu_output, problem: Problem, tables: Tables = TABLES):
+  """The five gradients for 2-D activations `[S, ·]`, with the engine's products."""
+  del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
+  mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
+  operand = mode.operand_dtype
+  rows_config, weight_config = tables.configs(problem)
+  padded = -(-tokens // ROW_GROUP) * ROW_GROUP
+
+  def rows_operand(x):
+    x = x.astype(operand)
+    return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
+
+  grad_out16, hidden16, gelu16 = map(rows_operand, (grad_output, hidden_state, gelu_output))
+  grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
+  grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
+                                  config=weight_config)
+  grad_gelu = engine.matmul(grad_out16, fc2_weight.astype(operand), out_dtype=dtype,
+                            config=rows_config)[:tokens]
+  grad_pre, grad_fc1_bias = reference.pre_gelu_operand_and_bias_grad(
+      reference.gelu_backward(grad_gelu, fc1_output), mode, dtype)
+  grad_pre16 = rows_operand(grad_pre)
+  grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
+                                  config=weight_config)
+  grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,
+                                    config=rows_config)[:tokens]
+  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
+          grad_fc2_bias.astype(dtype))
