@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import vision_mlp_bwd
-from benchmarks.run import result_stem, todays_runs_dir
+from benchmarks.run import REPO_ROOT, result_stem, todays_runs_dir
 from benchmarks import timing
 
 DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "fp32": jnp.float32}
@@ -156,8 +156,8 @@ def breakdown(seq_len, dtype_name, hidden, intermediate, iterations, out_stem):
   lines = [f"## {dtype_name} S={seq_len}: kernels of one call (median µs, launch order)", ""]
   for name in ("plain", "auto"):
     fn = value_and_grad_fn(name)
-    with open(f"{out_stem}_{dtype_name}_{seq_len}_{name}.hlo.txt", "w") as f:
-      f.write(fn.lower(x, *params).compile().as_text())
+    with open(f"{out_stem}_{dtype_name}_{seq_len}_{name}.hlo.txt", "w") as f:   # paths from the root
+      f.write(fn.lower(x, *params).compile().as_text().replace(REPO_ROOT + os.sep, ""))
     t = timing.device_times_us(fn, x, *params, warmup=3, iterations=iterations)
     lines += [f"### {name}: {t.median_us:.1f} µs in {t.kernels} kernels", "",
               "| # | kernel | µs |", "|---|---|---|"]

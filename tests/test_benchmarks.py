@@ -398,3 +398,22 @@ def test_every_cited_result_exists():
     bare += [f"{where}: {m[0]}" for m in bare_name.finditer(cited_path.sub(" ", text))]
   assert not missing, "cited, but no such file:\n" + "\n".join(missing)
   assert not bare, "cited without their folder in benchmarks/results/:\n" + "\n".join(bare)
+
+
+def test_no_file_names_an_absolute_path_of_a_machine():
+  """Tracked files (results and HLO dumps included) speak of paths from the repo's root."""
+  import re
+  import subprocess
+  repo = pathlib.Path(run.REPO_ROOT)
+  listed = subprocess.run(["git", "ls-files"], cwd=repo, capture_output=True, text=True)
+  if listed.returncode:
+    pytest.skip("not a git checkout")
+  home_like = re.compile("(?<![\\w.])/(?:" + "|".join(("work", "root", "home", "Users")) + r")/\w")
+  offending = []
+  for name in listed.stdout.split():
+    path = repo / name
+    if path.suffix in (".png",) or not path.is_file() or name == "tests/test_benchmarks.py":
+      continue
+    text = path.read_text(errors="replace")
+    offending += [f"{name}: {m[0]}" for m in home_like.finditer(text)][:3]
+  assert not offending, "\n".join(offending)
