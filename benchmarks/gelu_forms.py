@@ -58,13 +58,13 @@ FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
 
 def use(form: str | None) -> None:
   """Makes the kernels compute the GELU derivative as `FORMS[form]`; None: the package's own."""
-  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
   from vision_mlp_bwd.backends.triton import kernels
   if form is None:
     kernels.gelu_tanh_grad = reference.gelu_tanh_grad
-    mosaic_gpu.gelu_derivative = reference.gelu_tanh_grad
+    launch_1_sm90.gelu_derivative = reference.gelu_tanh_grad
   else:
-    kernels.gelu_tanh_grad = mosaic_gpu.gelu_derivative = FORMS[form]
+    kernels.gelu_tanh_grad = launch_1_sm90.gelu_derivative = FORMS[form]
 
 
 def kernel_errors(n_rows: int = 8192):
@@ -72,7 +72,7 @@ def kernel_errors(n_rows: int = 8192):
   kernel and a Mosaic GPU kernel (approx_math on and off), on the GPU.
 
   The kernels load fp32 tiles as the backward's epilogues do (Mosaic: swizzled
-  tiles in wgmma's register layout, `mosaic_gpu.load_wgmma`) and apply the form.
+  tiles in wgmma's register layout, `launch_1_sm90.load_wgmma`) and apply the form.
   """
   import numpy as np
   import jax
@@ -80,7 +80,7 @@ def kernel_errors(n_rows: int = 8192):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax.experimental.pallas import triton as pl_triton
 
-  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
 
   x = np.linspace(-12, 12, n_rows * 128, dtype=np.float32).reshape(n_rows, 128)
   with jax.enable_x64():
@@ -96,10 +96,10 @@ def kernel_errors(n_rows: int = 8192):
       def tile(x_smem, arrived):
         plgpu.copy_gmem_to_smem(x_gmem.at[block], x_smem, arrived)
         plgpu.barrier_wait(arrived)
-        mosaic_gpu.write_tile(form(mosaic_gpu.load_wgmma(x_smem)), o_gmem.at[block])
+        launch_1_sm90.write_tile(form(launch_1_sm90.load_wgmma(x_smem)), o_gmem.at[block])
 
       pl.run_scoped(tile, plgpu.SMEM((128, 128), jnp.float32,
-                                     transforms=mosaic_gpu.swizzled_tiles(jnp.float32)),
+                                     transforms=launch_1_sm90.swizzled_tiles(jnp.float32)),
                     plgpu.Barrier(num_arrivals=1))
 
     out = jax.ShapeDtypeStruct(x.shape, jnp.float32)

@@ -1,6 +1,6 @@
 """Open questions about the Mosaic GPU launches, timed on the GPU.
 
-`launch1` times the package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`)
+`launch1` times the package's Mosaic GPU launch 1 (`launch_1_sm90.launch_1`)
 per variant: GELU-derivative form, approximate math, pre-activation tile and
 pipeline depths. `launch2` times a prototype of launch 2 on Mosaic GPU
 (`launch_2_prototype`: split input gradient, grad_fc1_weight) per split and
@@ -31,11 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks.timing import device_times_us
-from vision_mlp_bwd.backends import mosaic_gpu
+from vision_mlp_bwd.backends.mosaic import launch_1_sm90
 
 
 def launch_1_probe(seq_lens, h, i, variants):
-  """The package's Mosaic GPU launch 1 (`mosaic_gpu.launch_1`, F16) per variant and S.
+  """The package's Mosaic GPU launch 1 (`launch_1_sm90.launch_1`, F16) per variant and S.
 
   A variant is `(gelu form, approx_math, pre_tile, stages, weight_grad_stages)`
   (`benchmarks/gelu_forms.py` names the forms). The figures in
@@ -48,7 +48,7 @@ def launch_1_probe(seq_lens, h, i, variants):
   rows = []
   for s in seq_lens:
     keys = jax.random.split(jax.random.key(s), 4)
-    pad = [(0, mosaic_gpu.padded_rows(s) - s), (0, 0)]
+    pad = [(0, launch_1_sm90.padded_rows(s) - s), (0, 0)]
     g16 = jnp.pad(jax.random.normal(keys[0], (s, h)).astype(jnp.float16), pad)
     w2 = jax.random.normal(keys[1], (h, i)) / 36
     x = jax.random.normal(keys[2], (s, i))
@@ -59,11 +59,11 @@ def launch_1_probe(seq_lens, h, i, variants):
     exact_wg = jnp.dot(f32(g16).T, f32(gelu16), precision=lax.Precision.HIGHEST)
     for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
       gelu_forms.use(form)
-      default_tile, default_stages = mosaic_gpu.pre_tiling(s)
+      default_tile, default_stages = launch_1_sm90.pre_tiling(s)
       pre_tile, stages = pre_tile or default_tile, stages or default_stages
       label = (f"{form}{'' if approx_math else ' exact'} pre {pre_tile} st{stages}, "
                f"weight grad st{weight_grad_stages}")
-      fn = jax.jit(functools.partial(mosaic_gpu.launch_1, stages=stages,
+      fn = jax.jit(functools.partial(launch_1_sm90.launch_1, stages=stages,
                                      weight_grad_stages=weight_grad_stages,
                                      pre_tile=pre_tile, approx_math=approx_math))
       try:
@@ -90,7 +90,7 @@ def launch_2_prototype(grad_pre16, fc1_weight, hidden16, *, split_k, tile=(256, 
 
   The input gradient `grad_pre16 @ fc1_weight` comes as `split_k` partial sums over
   I, `[split_k * rows, H]` fp32 (rows: S rounded up to `tile`'s), each block one
-  tile of one split with `mosaic_gpu`'s converting pipeline; the caller sums
+  tile of one split with `launch_1_sm90`'s converting pipeline; the caller sums
   them. The other blocks each compute one `[128, 128]` tile of
   `grad_fc1_weight = grad_pre16.T @ hidden16` as launch 1 does grad_fc2_weight.
   What it measures: whether a Mosaic launch 2 beats Triton's (25 us at F16
@@ -103,7 +103,7 @@ def launch_2_prototype(grad_pre16, fc1_weight, hidden16, *, split_k, tile=(256, 
   k_len = i // split_k
   assert k_len * split_k == i and k_len % pk == 0, (i, split_k, pk)
   n_input = gm * gn * split_k
-  wm, wn, _ = mosaic_gpu.WEIGHT_GRAD_TILE
+  wm, wn, _ = launch_1_sm90.WEIGHT_GRAD_TILE
 
   def kernel(x_gmem, w_gmem, z_gmem, partial_gmem, weight_grad_gmem):
     block = lax.axis_index("block")
@@ -114,19 +114,19 @@ def launch_2_prototype(grad_pre16, fc1_weight, hidden16, *, split_k, tile=(256, 
       ks, cols = pl.ds(split * k_len, k_len), pl.ds(c * pn, pn)
 
       def tile_(acc_ref, b16):
-        mosaic_gpu.converted_weight_product(acc_ref, b16, x_gmem.at[pl.ds(r * pm, pm), ks],
+        launch_1_sm90.converted_weight_product(acc_ref, b16, x_gmem.at[pl.ds(r * pm, pm), ks],
                                              w_gmem.at[ks, cols], stages)
-        mosaic_gpu.write_tile(acc_ref[...],
+        launch_1_sm90.write_tile(acc_ref[...],
                               partial_gmem.at[pl.ds((split * gm + r) * pm, pm), cols])
 
       pl.run_scoped(tile_, plgpu.ACC((pm, pn), jnp.float32),
-                    plgpu.SMEM((2, pk, pn), dtype, transforms=mosaic_gpu.swizzled_tiles(dtype)))
+                    plgpu.SMEM((2, pk, pn), dtype, transforms=launch_1_sm90.swizzled_tiles(dtype)))
 
     @pl.when(block >= n_input)
     def _():
       job = block - n_input
       rows, cols = pl.ds((job % (i // wm)) * wm, wm), pl.ds((job // (i // wm)) * wn, wn)
-      mosaic_gpu.weight_grad_tile(x_gmem.at[:, rows], z_gmem.at[:, cols],
+      launch_1_sm90.weight_grad_tile(x_gmem.at[:, rows], z_gmem.at[:, cols],
                                    weight_grad_gmem.at[rows, cols], weight_grad_stages)
 
   return plgpu.kernel(
@@ -142,7 +142,7 @@ def launch_2_probe(seq_lens, h, i, variants):
   rows = []
   for s in seq_lens:
     keys = jax.random.split(jax.random.key(s), 3)
-    pad = [(0, mosaic_gpu.padded_rows(s) - s), (0, 0)]
+    pad = [(0, launch_1_sm90.padded_rows(s) - s), (0, 0)]
     pre16 = jnp.pad((jax.random.normal(keys[0], (s, i)) / 4).astype(jnp.float16), pad)
     w1 = jax.random.normal(keys[1], (i, h)) / 60
     x16 = jnp.pad(jax.random.normal(keys[2], (s, h)).astype(jnp.float16), pad)
@@ -181,7 +181,7 @@ def _launch_1_variants(text):
   """`form[:exact][:MxNxK[:stages[:weight_grad_stages]]]`, e.g. `tanh:exact:256x64x64:3:4`.
 
   `exact` turns `approx_math` off; a missing tile or depth is `launch_1`'s
-  default (`mosaic_gpu.pre_tiling`)."""
+  default (`launch_1_sm90.pre_tiling`)."""
   parts = text.split(":")
   approx = "exact" not in parts
   form, *rest = [p for p in parts if p != "exact"]

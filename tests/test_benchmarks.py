@@ -309,13 +309,13 @@ def test_mosaic_probe_keeps_only_the_launch_probes(monkeypatch):
 
 
 def test_mosaic_probe_launch_1_times_the_package_kernel():
-  """`mosaic_probe --kernels launch1` runs `mosaic_gpu.launch_1` (no copy of it); lowers here."""
+  """`mosaic_probe --kernels launch1` runs `launch_1_sm90.launch_1` (no copy of it); lowers here."""
   import inspect
 
   from benchmarks import gelu_forms, mosaic_probe
-  from vision_mlp_bwd.backends import mosaic_gpu
-  assert "mosaic_gpu.launch_1" in inspect.getsource(mosaic_probe.launch_1_probe)
-  rows = mosaic_gpu.padded_rows(211)
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
+  assert "launch_1_sm90.launch_1" in inspect.getsource(mosaic_probe.launch_1_probe)
+  rows = launch_1_sm90.padded_rows(211)
   specs = [jax.ShapeDtypeStruct((rows, 1280), jnp.float16),
            jax.ShapeDtypeStruct((1280, 3584), jnp.float32),
            jax.ShapeDtypeStruct((211, 3584), jnp.float32),
@@ -328,8 +328,8 @@ def test_mosaic_probe_launch_1_times_the_package_kernel():
   try:
     for form, approx_math, pre_tile, stages, weight_grad_stages in variants:
       gelu_forms.use(form)
-      assert mosaic_gpu.gelu_derivative is gelu_forms.FORMS[form]
-      fn = functools.partial(mosaic_gpu.launch_1, stages=stages,
+      assert launch_1_sm90.gelu_derivative is gelu_forms.FORMS[form]
+      fn = functools.partial(launch_1_sm90.launch_1, stages=stages,
                              weight_grad_stages=weight_grad_stages, pre_tile=pre_tile,
                              approx_math=approx_math)
       text = jax.jit(fn).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
@@ -342,8 +342,8 @@ def test_mosaic_probe_launch_2_prototype_lowers_for_cuda():
   """The probe's Mosaic launch 2 (benchmarks/mosaic_probe.py) lowers at a ragged S, for each
   split and tile it times, and refuses a split that does not divide I in whole steps."""
   from benchmarks.mosaic_probe import launch_2_prototype
-  from vision_mlp_bwd.backends import mosaic_gpu
-  rows = mosaic_gpu.padded_rows(211)
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
+  rows = launch_1_sm90.padded_rows(211)
   specs = [jax.ShapeDtypeStruct((rows, 3584), jnp.float16),
            jax.ShapeDtypeStruct((3584, 1280), jnp.float32),
            jax.ShapeDtypeStruct((rows, 1280), jnp.float16)]

@@ -184,11 +184,11 @@ def test_mosaic_launch_1_as_accurate_as_triton_launch_1(tokens, mode):
   fp32 values, Triton's the 16-bit copies) and bitwise deterministic."""
   import dataclasses
 
-  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
   from vision_mlp_bwd.backends import triton as triton_backend
   inputs = helpers.backward_inputs(tokens, 1280, 3584)
   problem = Problem(tokens, 1280, 3584, jnp.dtype(jnp.float32), mode)
-  assert mosaic_gpu.unsupported_reason(problem, interpret=False) is None
+  assert launch_1_sm90.unsupported_reason(problem, interpret=False) is None
   base = dataclasses.replace(default_config(problem), cast_inputs=True, fused_casts=True,
                              cast_weights=False)
   runs = {flag: jax.jit(lambda *a, c=dataclasses.replace(base, mosaic_launch_1=flag):

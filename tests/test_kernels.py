@@ -375,7 +375,7 @@ def test_cast_pads_rows_with_zeros():
 
 
 def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():
-  from vision_mlp_bwd.backends import mosaic_gpu
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
   from vision_mlp_bwd.problem import Problem
   tile = TileConfig(16, 32, 16)
   fused = dict(cast_inputs=True, fused_casts=True, mosaic_launch_1=True)
@@ -384,11 +384,11 @@ def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():
                 dict(cast_weights=True), dict(mosaic_launch_1=False)):
     assert not Config(tile, tile, tile, **{**fused, **other}).launch_1_on_mosaic, other
   problem = Problem(211, 1280, 3584, jnp.dtype(jnp.float32), DotMode.F16)
-  assert "interpret mode" in mosaic_gpu.unsupported_reason(problem, interpret=True)
-  assert "Hopper" in mosaic_gpu.unsupported_reason(problem, interpret=False)   # the CPU
+  assert "interpret mode" in launch_1_sm90.unsupported_reason(problem, interpret=True)
+  assert "Hopper" in launch_1_sm90.unsupported_reason(problem, interpret=False)   # the CPU
   odd = Problem(211, 1280, 3000, jnp.dtype(jnp.float32), DotMode.F16)
-  assert "I=3000 is not a multiple of 128" in mosaic_gpu.unsupported_reason(odd, interpret=False)
-  assert mosaic_gpu.padded_rows(211) == 216 and mosaic_gpu.padded_rows(8) == 8
+  assert "I=3000 is not a multiple of 128" in launch_1_sm90.unsupported_reason(odd, interpret=False)
+  assert launch_1_sm90.padded_rows(211) == 216 and launch_1_sm90.padded_rows(8) == 8
   # Interpret mode then runs Triton's launch 1: the same gradients as without the flag.
   from vision_mlp_bwd.backends import triton as triton_backend
   inputs = helpers.backward_inputs(29, 40, 56)

@@ -126,12 +126,12 @@ def test_rows_between_seed_cases_lower(tokens, mode):
 @pytest.mark.parametrize("tokens", [1, 131, 211, 256, 4096])
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_mosaic_launch_1_lowers(tokens, dtype):
-  """`mosaic_gpu.launch_1` (Config.mosaic_launch_1) lowers to one Mosaic GPU kernel at ragged S."""
-  from vision_mlp_bwd.backends import mosaic_gpu
-  h, i, rows = 1280, 3584, mosaic_gpu.padded_rows(tokens)
+  """`launch_1_sm90.launch_1` (Config.mosaic_launch_1) lowers to one Mosaic GPU kernel at ragged S."""
+  from vision_mlp_bwd.backends.mosaic import launch_1_sm90
+  h, i, rows = 1280, 3584, launch_1_sm90.padded_rows(tokens)
   specs = [jax.ShapeDtypeStruct((rows, h), dtype), jax.ShapeDtypeStruct((h, i), jnp.float32),
            jax.ShapeDtypeStruct((tokens, i), jnp.float32), jax.ShapeDtypeStruct((rows, i), dtype)]
-  text = jax.jit(mosaic_gpu.launch_1).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(launch_1_sm90.launch_1).trace(*specs).lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("mosaic_gpu") >= 1 and TRITON_CALL not in text
   mlir_dtype = {"float16": "f16", "bfloat16": "bf16"}[jnp.dtype(dtype).name]
   assert f"tensor<{tokens}x{i}x{mlir_dtype}>" in text and f"tensor<{h}x{i}xf32>" in text

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import engine
+from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
 from vision_mlp_bwd.problem import Problem
 
-ROW_GROUP = 8   # TMA's tiled rows
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
 
 
@@ -65,7 +65,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
   operand = mode.operand_dtype
   rows_config, weight_config = tables.configs(problem)
-  padded = -(-tokens // ROW_GROUP) * ROW_GROUP
+  padded = padded_rows(tokens)
 
   def rows_operand(x):
     x = x.astype(operand)

@@ -45,7 +45,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-SWIZZLE = 128   # bytes: the widest shared-memory swizzle; every tile's minor dim spans >= 128 B
+from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +119,6 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   steps_per_split = pl.cdiv(k_steps, splits)
   splits = pl.cdiv(k_steps, steps_per_split)
   return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split)
-
-
-def _tiles(dtype):
-  """Swizzled shared-memory tiling for a tile whose minor dimension spans >= 128 bytes."""
-  return (plgpu.TilingTransform((8, SWIZZLE // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(SWIZZLE))
 
 
 def num_sms() -> int:
@@ -201,12 +196,12 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
   slots = min(2, pieces)
 
   delay = config.mma_in_flight
-  a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=_tiles(dtype),
+  a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
                             delay_release=delay)
             if transpose_a else
-            plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=_tiles(dtype),
+            plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=swizzled_tiles(dtype),
                             delay_release=delay))
-  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=_tiles(dtype),
+  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
                            delay_release=delay)
 
   def pipeline(body, compute_context, steps):
@@ -223,7 +218,7 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
   # of a 16-bit product get one buffer each, at least 32 columns wide (a
   # 128-byte swizzle), so the two epilogues fit beside the operand ring.
   epilogue_smem = lambda dtype, buffers, width: plgpu.SMEM(
-      (2, buffers, epi_m, width), dtype, transforms=_tiles(dtype))
+      (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype))
   extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, 1, max(epi_n, 32)))
                 if separate_partial_smem else {})
 

@@ -12,7 +12,7 @@ each tile (counters zeroed in launch 1).
 XLA or, with `Config.fused_casts`, as Pallas jobs: one launch before launch 1
 for `grad_output` and `gelu_output`, and `hidden_state` inside launch 1.
 On Hopper, 16-bit modes may run launch 1 as one Mosaic GPU grid instead
-(`Config.mosaic_launch_1`, `mosaic_gpu.launch_1`); the casts launch then also
+(`Config.mosaic_launch_1`, `launch_1_sm90.launch_1`); the casts launch then also
 casts `hidden_state` and zeroes the counters, and launch 2 sums `grad_fc2_bias`.
 In 32-bit modes the weight gradients may read K-major copies of their right
 operands (`Config.k_major_weight_grads`). TF32 may instead run every product on f16 tensor cores with exact
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from vision_mlp_bwd.backends import mosaic_gpu
+from vision_mlp_bwd.backends.mosaic import launch_1_sm90
 from vision_mlp_bwd.backends.shared import in_shard_map
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
@@ -72,7 +72,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # Launch 1 as one Mosaic GPU grid (Config.mosaic_launch_1), where it can run;
   # not yet inside a shard_map (its manual-axis typing is untested there).
   mosaic = (config.launch_1_on_mosaic and operand_dtype is not None and out_dtype == jnp.float32
-            and mosaic_gpu.unsupported_reason(problem, interpret) is None
+            and launch_1_sm90.unsupported_reason(problem, interpret) is None
             and not in_shard_map(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                                  gelu_output))
   early, late = [], []   # activations cast by Pallas jobs before launch 1 / inside launch 1
@@ -113,7 +113,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   input_grad_product, _ = by_weight(config.input_grad, out_dtype, fc1_output.shape, fc1_weight)
   counters = [(Zeros(input_grad_product.tiles), ())] if input_grad_product.counts_arrivals else []
   if early:
-    padded = mosaic_gpu.padded_rows(problem.tokens) if mosaic else 0
+    padded = launch_1_sm90.padded_rows(problem.tokens) if mosaic else 0
     jobs = [(Cast(acts[n].shape, operand_dtype, rows=0 if n == "hidden_state" else padded),
              (acts[n],)) for n in early]
     if mosaic:   # Triton's launch 1 would zero them
@@ -124,7 +124,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
   # (and the zeroed arrival counters of its split input gradient, if any).
   if mosaic:
-    grad_pre, grad_fc2_weight = mosaic_gpu.launch_1(acts["grad_output"], fc2_weight, fc1_output,
+    grad_pre, grad_fc2_weight = launch_1_sm90.launch_1(acts["grad_output"], fc2_weight, fc1_output,
                                                     acts["gelu_output"])
   else:
     grad_pre, (grad_fc2_weight, grad_fc2_bias), *rest = launch([

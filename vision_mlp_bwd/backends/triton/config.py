@@ -90,7 +90,7 @@ class Config:
   # converts it itself (benchmarks/NOTES.md, 20).
   tf32_on_f16: bool = False
   # 16-bit operand modes with fp32 inputs, on a Hopper GPU: launch 1 runs as
-  # one Pallas Mosaic-GPU grid (`mosaic_gpu.launch_1`: its converted weight
+  # one Pallas Mosaic-GPU grid (`launch_1_sm90.launch_1`: its converted weight
   # tiles double-buffered, TMA-fed) instead of Triton's; the casts launch then
   # also casts hidden_state and zeroes the counters, and launch 2 sums
   # grad_output's columns (the fc2 bias gradient). Elsewhere (other GPUs,

@@ -204,7 +204,7 @@ class Cast:
   """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program.
 
   With `rows` (>= shape[0]), the result has that many rows, zeros past the
-  input's (the padded operands of `mosaic_gpu.launch_1`)."""
+  input's (the padded operands of `launch_1_sm90.launch_1`)."""
 
   shape: tuple[int, ...]
   out_dtype: jnp.dtype

@@ -1,4 +1,4 @@
-"""Pallas Mosaic-GPU kernels (Hopper: wgmma fed by TMA) for parts of the Triton backend's backward.
+"""The Triton backend's launch 1 as one Pallas Mosaic-GPU grid (Hopper: wgmma fed by TMA).
 
 Pallas-Triton converts an fp32 weight tile to a 16-bit operand through one
 shared-memory buffer, so every contraction step's MMAs wait for the next
@@ -27,20 +27,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from vision_mlp_bwd.backends.mosaic.tiles import ROW_MULTIPLE, padded_rows, swizzled_tiles
 from vision_mlp_bwd.backends.shared import out_struct
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import gelu_tanh_grad
 
 WEIGHT_GRAD_TILE = (128, 128, 64)   # grad_fc2_weight: rows (H), columns (I), step (S)
-ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
-SWIZZLE = 128      # bytes: one swizzled row of a tile
 
 gelu_derivative = gelu_tanh_grad   # the epilogue's (benchmarks/gelu_forms.py replaces it to time)
-
-
-def padded_rows(tokens: int) -> int:
-  """Rows of the 16-bit `[S, ·]` operands `launch_1` reads (S up to a multiple of 8, zeros)."""
-  return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
 
 
 def pre_tiling(tokens: int) -> tuple[tuple[int, int, int], int]:
@@ -78,15 +72,6 @@ def load_wgmma(ref):
   if _LOAD_NEEDS_INDEX:
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA)
   return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-
-
-def swizzled_tiles(dtype, rows=ROW_MULTIPLE):
-  """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
-
-  wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
-  is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
-  return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(SWIZZLE))
 
 
 def write_tile(value, out_gmem, rows_per_tile=ROW_MULTIPLE):

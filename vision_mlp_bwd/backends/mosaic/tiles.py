@@ -1,0 +1,24 @@
+"""Shared-memory tile layouts and row padding that every Mosaic GPU kernel here uses."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+ROW_MULTIPLE = 8   # TMA's tiled shared-memory layouts want arrays with rows in multiples of 8
+SWIZZLE = 128      # bytes: one swizzled row of a tile, the widest swizzle
+
+
+def padded_rows(tokens: int) -> int:
+  """Rows of a 16-bit `[S, ·]` operand padded with zeros to a multiple of 8 for TMA."""
+  return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
+
+
+def swizzled_tiles(dtype, rows=ROW_MULTIPLE):
+  """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
+
+  wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
+  is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
+  return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(SWIZZLE))
