@@ -189,7 +189,7 @@ def _row(document, table="sixteen_bit", index=2):
     (lambda d: d["tables"].pop("three_pass"), r"tables: missing \['three_pass'\]"),
     (lambda d: _row(d)["provenance"]["results"][0].update(commit="not-a-commit"),
      r"provenance\.results\[0\]\.commit: expected a commit"),
-    (lambda d: _row(d)["provenance"]["results"][0].update(path="/tmp/elsewhere.json"),
+    (lambda d: _row(d)["provenance"]["results"][0].update(path="benchmarks/NOTES.md"),
      r"provenance\.results\[0\]\.path: expected a path under benchmarks/results/"),
     (lambda d: d["routing"]["fp32_inputs"]["ranges"].update(tf33=[[1, 64]]),
      r"routing\.fp32_inputs\.ranges: .*unknown \['tf33'\]"),
