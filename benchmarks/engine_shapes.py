@@ -36,21 +36,16 @@ CASES = [  # M, K, N, transpose_a, GemmConfig fields, out dtype
 def run_case(index):
   import jax
   import jax.numpy as jnp
-  from jax import lax
+  from benchmarks.engine import reference_and_bound
   from vision_mlp_bwd.backends.mosaic import engine
   m, k, n, transpose_a, fields, out_dtype = CASES[index]
   config = engine.GemmConfig(**fields)
   ka, kb = jax.random.split(jax.random.key(index))
   a = jax.random.normal(ka, (k, m) if transpose_a else (m, k), jnp.float16)
   b = jax.random.normal(kb, (k, n), jnp.float16)
-  dims = (((0,), (0,)), ((), ())) if transpose_a else (((1,), (0,)), ((), ()))
   out = jax.jit(lambda a, b: engine.matmul(a, b, transpose_a=transpose_a, config=config,
                                            out_dtype=out_dtype))(a, b).astype(jnp.float32)
-  ref = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
-  magnitude = lax.dot_general(jnp.abs(a).astype(jnp.float32), jnp.abs(b).astype(jnp.float32),
-                              dims, precision=lax.Precision.HIGHEST)
-  u = 2.0 ** -24
-  bound = 2 * k * u / (1 - k * u) * magnitude
+  ref, bound = reference_and_bound(a, b, transpose_a)
   if out_dtype != "float32":   # plus one rounding of the output
     bound = bound + jnp.abs(ref) * 2.0 ** -(8 if out_dtype == "bfloat16" else 11)
   excess = float(jnp.max(jnp.abs(out - ref) - bound))

@@ -57,6 +57,13 @@ def make_params(key, hidden, intermediate, dtype):
           jax.random.normal(k4, (hidden,)) * 0.1)
 
 
+def make_inputs(seq_len, hidden, intermediate, dtype):
+  """(x `[S, H]`, the four parameters), in `dtype`, seeded by S."""
+  key = jax.random.key(seq_len)
+  params = tuple(p.astype(dtype) for p in make_params(key, hidden, intermediate, dtype))
+  return jax.random.normal(jax.random.fold_in(key, 1), (seq_len, hidden)).astype(dtype), params
+
+
 def value_and_grad_fn(name):
   f = model_fn(name)
   loss = lambda x, *params: jnp.sum(f(x, *params).astype(jnp.float32) ** 2)
@@ -74,9 +81,7 @@ def forward_backward_rows(seq_lens, dtypes, hidden, intermediate, iterations):
   for dtype_name in dtypes:
     dtype = DTYPES[dtype_name]
     for s in seq_lens:
-      key = jax.random.key(s)
-      params = tuple(p.astype(dtype) for p in make_params(key, hidden, intermediate, dtype))
-      x = jax.random.normal(jax.random.fold_in(key, 1), (s, hidden)).astype(dtype)
+      x, params = make_inputs(s, hidden, intermediate, dtype)
       row = dict(dtype=dtype_name, seq_len=s)
       for name in ("plain",) + IMPLEMENTATIONS:
         row[name] = time_fn(value_and_grad_fn(name), x, *params, iterations=iterations)
@@ -150,9 +155,7 @@ def breakdown(seq_len, dtype_name, hidden, intermediate, iterations, out_stem):
   Also writes each program's optimized HLO (`<out_stem>_<name>.hlo.txt`), to see which
   fusions and library calls XLA made of it."""
   dtype = DTYPES[dtype_name]
-  key = jax.random.key(seq_len)
-  params = tuple(p.astype(dtype) for p in make_params(key, hidden, intermediate, dtype))
-  x = jax.random.normal(jax.random.fold_in(key, 1), (seq_len, hidden)).astype(dtype)
+  x, params = make_inputs(seq_len, hidden, intermediate, dtype)
   lines = [f"## {dtype_name} S={seq_len}: kernels of one call (median µs, launch order)", ""]
   for name in ("plain", "auto"):
     fn = value_and_grad_fn(name)

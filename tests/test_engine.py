@@ -146,3 +146,18 @@ def test_engine_shapes_cases_are_well_formed():
     plan = engine.schedule(m, n, k, config, 132)
     assert plan.programs == 132 and plan.whole + plan.tail == plan.grid_mn[0] * plan.grid_mn[1]
     assert jnp.dtype(out_dtype).itemsize * config.epilogue_tile[1] >= engine.SWIZZLE
+
+
+@pytest.mark.parametrize("transpose_a", [False, True])
+def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
+  """benchmarks.engine.reference_and_bound: the float64 product of the same f16 operands lies
+  within the bound of the fp32 reference (both are accumulations of the same exact products)."""
+  m, k, n = 48, 200, 40
+  ka, kb = jax.random.split(helpers.fresh_key())
+  a = jax.random.normal(ka, (k, m) if transpose_a else (m, k), jnp.float16)
+  b = jax.random.normal(kb, (k, n), jnp.float16)
+  ref, bound = engine_benchmark.reference_and_bound(a, b, transpose_a)
+  a64 = np.asarray(a, np.float64)
+  exact = (a64.T if transpose_a else a64) @ np.asarray(b, np.float64)
+  assert ref.shape == (m, n) and bool(jnp.all(bound > 0))
+  assert np.all(np.abs(np.asarray(ref, np.float64) - exact) <= np.asarray(bound))

@@ -73,6 +73,5 @@ def jnp_autodiff_preferred(problem: Problem, platform: str) -> bool:
   (benchmarks/results/probes/training_step/training_step_h200_20261201-134437_breakdown.md).
   """
   own_dtype = problem.mode.operand_dtype is not None and (
-      problem.mode.operand_dtype == problem.dtype)
-  return (problem.dtype.itemsize == 2 and own_dtype
-          and choose(None, problem, platform).name == "xla")
+      problem.mode.operand_dtype == problem.dtype)   # so 16-bit inputs
+  return own_dtype and choose(None, problem, platform).name == "xla"

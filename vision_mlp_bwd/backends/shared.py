@@ -1,4 +1,4 @@
-"""Pieces every backend's kernels share: output types under `shard_map`, the manual-axes helpers.
+"""Pieces every backend shares: output types under `shard_map`, the manual-axes helpers, S ranges.
 
 Kept apart from `vision_mlp_bwd.sharding` (which imports the backends) so that
 the backends import nothing of the layer above them.
@@ -48,3 +48,9 @@ def out_struct(shape, dtype, like):
     except TypeError:  # a JAX without manual-axis types on ShapeDtypeStruct
       pass
   return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def in_ranges(tokens: int, ranges) -> bool:
+  """Whether S lies in one of the inclusive `(lo, hi)` ranges (hi None: no upper end), as
+  the routing tables of the configs files write them."""
+  return any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in ranges)

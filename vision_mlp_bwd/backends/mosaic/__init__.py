@@ -10,11 +10,13 @@ from __future__ import annotations
 import jax
 
 from vision_mlp_bwd.backends.mosaic.backward_sm90 import TABLES, backward
+from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE
+from vision_mlp_bwd.backends.shared import in_ranges
 from vision_mlp_bwd.problem import Problem
 
 __all__ = ["BACKEND", "backward"]
 
-ROW_LENGTH = 64   # H and I: whole 128-byte swizzled rows of 16-bit values
+ROW_LENGTH = SWIZZLE // 2   # H and I: whole swizzled rows of 16-bit values
 
 
 class MosaicBackend:
@@ -39,8 +41,8 @@ class MosaicBackend:
     """Where it measured faster than the others: `configs/h200.json`'s routing, S ranges
     by input dtype and mode (e.g. `{"float32": {"f16": [[1024, null]]}}`)."""
     del platform
-    ranges = TABLES.routing.get(problem.dtype.name, {}).get(problem.mode.value, ())
-    return any(lo <= problem.tokens and (hi is None or problem.tokens <= hi) for lo, hi in ranges)
+    return in_ranges(problem.tokens,
+                     TABLES.routing.get(problem.dtype.name, {}).get(problem.mode.value, ()))
 
   def backward(self, grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                fc1_output, gelu_output, problem: Problem):

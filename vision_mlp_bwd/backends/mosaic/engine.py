@@ -48,7 +48,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
 
 
-
 @dataclasses.dataclass(frozen=True)
 class GemmConfig:
   """Tiles and scheduling of one product."""
@@ -111,7 +110,7 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   k_steps = pl.cdiv(k, config.tile_k)
   # Every SM gets a program even when there are fewer blocks (the others find no work): a
   # grid smaller than the SM count faulted on the H200 (benchmarks/engine_shapes.py).
-  tail = blocks % programs if blocks >= programs else blocks
+  tail = blocks % programs   # all of them when there are fewer blocks than programs
   splits = min(programs // tail if tail else 1, config.tail_splits,
                k_steps // max(config.stages, 1))
   if tail == 0 or splits < 2:

@@ -15,6 +15,7 @@ import dataclasses
 import importlib.resources
 import json
 
+from vision_mlp_bwd.backends.shared import in_ranges
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
@@ -317,5 +318,4 @@ TRITON_WINS_ON_16_BIT_INPUTS: dict[DotMode, Ranges] = TABLES.routing["sixteen_bi
 def triton_wins(problem: Problem) -> bool:
   """Whether the Triton kernels measured faster than XLA for this S, mode and input dtype."""
   table = TRITON_WINS if problem.dtype.itemsize == 4 else TRITON_WINS_ON_16_BIT_INPUTS
-  return any(lo <= problem.tokens and (hi is None or problem.tokens <= hi)
-             for lo, hi in table.get(problem.mode, ()))
+  return in_ranges(problem.tokens, table.get(problem.mode, ()))
