@@ -3,9 +3,10 @@
 On bf16 and f16 inputs the default precision multiplies the 16-bit values as
 they are (`precision.for_inputs`), which is what F16_F16_F32 does to fp32
 inputs after casting them. So for each seed S this times, with CUPTI and a
-cold L2 (`benchmarks/timing.py`): the Triton kernels and XLA on fp32 inputs
-under F16_F16_F32, and the Triton kernels, XLA and the automatic choice on
-bf16 and f16 inputs at the default precision. Writes
+cold L2 (`benchmarks/timing.py`): the Mosaic and Triton kernels and XLA on
+fp32 inputs under F16_F16_F32, and the same three and the automatic choice on
+bf16 and f16 inputs at the default precision; an implementation that cannot
+run here (the Mosaic one off Hopper) is left out. Writes
 `input_dtypes_<device>_<date>.{json,md}` into --out.
 """
 
@@ -25,11 +26,14 @@ from benchmarks import cases, timing
 
 F16 = lax.DotAlgorithmPreset.F16_F16_F32
 # (label, input dtype, precision, implementation)
-COLUMNS = (("fp32 in, F16, triton", jnp.float32, F16, "triton"),
+COLUMNS = (("fp32 in, F16, mosaic", jnp.float32, F16, "mosaic"),
+           ("fp32 in, F16, triton", jnp.float32, F16, "triton"),
            ("fp32 in, F16, xla", jnp.float32, F16, "xla"),
+           ("bf16 in, mosaic", jnp.bfloat16, None, "mosaic"),
            ("bf16 in, triton", jnp.bfloat16, None, "triton"),
            ("bf16 in, xla", jnp.bfloat16, None, "xla"),
            ("bf16 in, auto", jnp.bfloat16, None, None),
+           ("f16 in, mosaic", jnp.float16, None, "mosaic"),
            ("f16 in, triton", jnp.float16, None, "triton"),
            ("f16 in, xla", jnp.float16, None, "xla"),
            ("f16 in, auto", jnp.float16, None, None))
@@ -46,11 +50,12 @@ def main(argv=None):
   on_gpu = jax.default_backend() == "gpu"
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
   stem, date = result_stem(args.out, "input_dtypes")
+  columns = [c for c in COLUMNS if _runs(c, hidden, intermediate)]
   rows = []
   for s in args.seq_lens:
     inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)
     row = dict(seq_len=s)
-    for label, dtype, precision, implementation in COLUMNS:
+    for label, dtype, precision, implementation in columns:
       fn = jax.jit(lambda *a, p=precision, i=implementation: vision_mlp_bwd.mlp_backward(
           *a, precision=p, implementation=i))
       args_ = tuple(x.astype(dtype) for x in inputs)
@@ -60,13 +65,25 @@ def main(argv=None):
       else:
         row[label] = timing.wall_times_us(fn, *args_, warmup=1, iterations=2).median_us
     rows.append(row)
-    print(f"S={s:5d} " + "  ".join(f"{label} {row[label]:7.1f}" for label, *_ in COLUMNS),
+    print(f"S={s:5d} " + "  ".join(f"{label} {row[label]:7.1f}" for label, *_ in columns),
           flush=True)
-    _write(stem, rows, date, hidden, intermediate)   # after every S: a cut-short run keeps its rows
+    _write(stem, rows, date, hidden, intermediate, [label for label, *_ in columns])   # after every S: a cut-short run keeps its rows
 
 
-def _write(stem, rows, date, hidden, intermediate):
-  labels = [label for label, *_ in COLUMNS]
+def _runs(column, hidden, intermediate) -> bool:
+  """Whether the column's implementation can run on this platform (None: the automatic choice)."""
+  _, dtype, precision, implementation = column
+  if implementation is None:
+    return True
+  from vision_mlp_bwd import backends, precision as precisions
+  from vision_mlp_bwd.problem import Problem
+  dtype = jnp.dtype(dtype)
+  problem = Problem(cases.SEQ_LENS[0], hidden, intermediate, dtype,
+                    precisions.for_inputs(precisions.canonicalize(precision), dtype))
+  return backends.get(implementation).unsupported_reason(problem, jax.default_backend()) is None
+
+
+def _write(stem, rows, date, hidden, intermediate, labels):
   md = [f"# mlp_backward by input dtype ({jax.devices()[0].device_kind}, {date}, "
         f"jax {jax.__version__}, H={hidden}, I={intermediate}; µs, CUPTI, cold L2, median)", "",
         "| S | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]

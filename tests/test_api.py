@@ -315,5 +315,5 @@ def test_unknown_implementation():
   with pytest.raises(ValueError, match=r"implementation='cuda' is unknown; expected None or one of"):
     _call(_inputs(), implementation="cuda")
   hidden_state, params = params_and_input((3,), 8, 16)
-  with pytest.raises(ValueError, match=r"implementation='mosaic' is unknown"):
-    vision_mlp_bwd.vision_mlp(hidden_state, *params, implementation="mosaic")
+  with pytest.raises(ValueError, match=r"implementation='cutlass' is unknown"):
+    vision_mlp_bwd.vision_mlp(hidden_state, *params, implementation="cutlass")

@@ -43,7 +43,8 @@ def test_precision_errors_oracle_is_the_float64_contract():
 def test_input_dtypes_table_has_every_column(tmp_path):
   rows = [dict(seq_len=64, **{label: 1.0 + n for n, (label, *_) in
                               enumerate(input_dtypes.COLUMNS)})]
-  input_dtypes._write(str(tmp_path / "t"), rows, "20260101-000000", 16, 40)
+  input_dtypes._write(str(tmp_path / "t"), rows, "20260101-000000", 16, 40,
+                      [label for label, *_ in input_dtypes.COLUMNS])
   table = (tmp_path / "t.md").read_text().splitlines()
   assert table[2].count("|") == len(input_dtypes.COLUMNS) + 2
   assert table[-1].startswith("| 64 | 1.0 | 2.0 |")
@@ -51,3 +52,5 @@ def test_input_dtypes_table_has_every_column(tmp_path):
   dtypes = {jnp.dtype(d) for _, d, _, _ in input_dtypes.COLUMNS}
   assert dtypes == {jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}
   assert bounds.mode_for(None, jnp.bfloat16).operand_dtype == jnp.bfloat16
+  runnable = [c[0] for c in input_dtypes.COLUMNS if input_dtypes._runs(c, 16, 40)]
+  assert runnable and not any("mosaic" in label for label in runnable)   # Hopper only

@@ -4,14 +4,16 @@ A backend is an object with a `name`, `unsupported_reason(problem, platform)`
 (None when it can run the problem), `preferred(problem, platform)` (whether the
 automatic choice should take it) and `backward(...)`. A new backend is one
 module plus one line in `_REGISTRY`; callers of the public API do not change.
-The Hopper backend (`backends/mosaic`) joins it, first in order, once its GPU
-tests pass; it then runs where its routing data says it measured faster.
+The Hopper backend (`backends/mosaic`) is first in order; the automatic choice
+takes it where its routing data (`backends/mosaic/configs/h200.json`) says it
+measured faster.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from vision_mlp_bwd.backends import mosaic as _mosaic
 from vision_mlp_bwd.backends import triton as _triton
 from vision_mlp_bwd.backends import xla as _xla
 from vision_mlp_bwd.problem import Problem
@@ -31,6 +33,7 @@ class Backend(Protocol):
 
 # Automatic choice tries these in order; "xla" accepts everything, so it is last.
 _REGISTRY: dict[str, Backend] = {
+    "mosaic": _mosaic.BACKEND,
     "triton": _triton.BACKEND,
     "xla": _xla.BACKEND,
 }

@@ -1,8 +1,7 @@
 """The Hopper backend (Pallas Mosaic GPU): its GEMM engine and, built on it, the backward.
 
-Not yet in the registry (`vision_mlp_bwd.backends`): it joins it once its GPU
-tests (tests/test_gpu.py, `test_mosaic_*`) pass; until then it is called
-directly, as `backward(..., problem=...)` or `BACKEND`.
+First in the registry (`vision_mlp_bwd.backends`, `implementation="mosaic"`);
+the automatic choice takes it where `configs/h200.json`'s routing says so.
 """
 
 from __future__ import annotations
