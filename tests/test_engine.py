@@ -62,6 +62,11 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
                   config=engine.GemmConfig(split="m"))
   with pytest.raises(ValueError, match="split and grid_minor take 'm' or 'n'"):
     engine.GemmConfig(split="k")
+  with pytest.raises(ValueError, match=r"needs 262144 bytes of shared memory for \[256, 1280\]"):
+    # 6 stages of 128x64 + 64x128 f16 tiles (192 KiB) and 4 fp32 64x64 epilogue pieces (64 KiB)
+    engine.matmul(jax.ShapeDtypeStruct((256, 1280), jnp.float16),
+                  jax.ShapeDtypeStruct((1280, 3584), jnp.float16),
+                  config=engine.GemmConfig(tile_n=64, stages=6))
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
 
@@ -146,6 +151,8 @@ def test_engine_shapes_cases_are_well_formed():
     plan = engine.schedule(m, n, k, config, 132)
     assert plan.programs == 132 and plan.whole + plan.tail == plan.grid_mn[0] * plan.grid_mn[1]
     assert jnp.dtype(out_dtype).itemsize * config.epilogue_tile[1] >= engine.SWIZZLE
+    assert engine.shared_memory_bytes(config, plan.k_steps, jnp.float16, out_dtype,
+                                      plan.splits > 1) <= engine.SHARED_MEMORY_BYTES - 1024
 
 
 @pytest.mark.parametrize("transpose_a", [False, True])

@@ -81,6 +81,29 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.tail_splits must be >= 1: {self}")
 
 
+SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
+BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
+
+
+def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
+                        split_tail: bool) -> int:
+  """Shared memory one program allocates: the operand ring plus the epilogue buffers.
+
+  Mosaic does not refuse a kernel over the limit: on the H200 such a kernel
+  faulted at launch (benchmarks/engine_shapes.py), so `matmul` checks this first.
+  """
+  block_m, block_n = config.block
+  epi_m, epi_n = config.epilogue_tile
+  ring = min(config.stages, k_steps) * (block_m + block_n) * config.tile_k
+  ring *= jnp.dtype(dtype).itemsize
+  slots = min(2, (config.tile_m // epi_m) * (config.tile_n // epi_n))
+  out_bytes = jnp.dtype(out_dtype).itemsize
+  epilogue = 2 * slots * epi_m * epi_n * out_bytes
+  if split_tail and out_bytes != 4:   # the fp32 partials' own buffer, one per warpgroup
+    epilogue += 2 * epi_m * max(epi_n, 32) * 4
+  return ring + epilogue
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """How a persistent grid of `programs` covers `grid_mn` blocks.
@@ -144,6 +167,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                      f"{piece_bytes} bytes of {jnp.dtype(out_dtype).name}; the swizzled "
                      f"epilogue needs >= {SWIZZLE}.")
   plan = schedule(m, n, k, config, num_programs or num_sms())
+  smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1)
+  if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
+    raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
+                     f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
+                     f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
+                     "pieces fit).")
   block_m, block_n = config.block
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan)
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
@@ -194,7 +223,8 @@ def _kernel(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig, transpo
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(2, pieces)
 
-  delay = config.mma_in_flight
+  # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
+  delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
   a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
                             delay_release=delay)
             if transpose_a else
