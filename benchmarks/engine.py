@@ -45,6 +45,15 @@ CONFIGS = {   # block (rows x columns), contraction step, stages, snake band wid
     "128x128 k64 st5 w8 t16": C(tile_n=64, stages=5, tail_splits=16),
     "128x128 k64 st6 w8 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
                                           epilogue_tile=(64, 32), tail_splits=16),
+    "128x128 k64 st6 w16 f1 e64x32 t16": C(tile_n=64, stages=6, grid_tile_width=16,
+                                           mma_in_flight=1, epilogue_tile=(64, 32),
+                                           tail_splits=16),
+    "128x256 k64 st4 w8 f1 e64x32 t16": C(stages=4, mma_in_flight=1, epilogue_tile=(64, 32),
+                                          tail_splits=16),
+    "128x256 k64 st4 w8 minor-m f1 e64x32 t16": C(stages=4, grid_minor="m", mma_in_flight=1,
+                                                  epilogue_tile=(64, 32), tail_splits=16),
+    "256x128 k64 st4 w8 f1 e64x32 t16": C(stages=4, split="m", mma_in_flight=1,
+                                          epilogue_tile=(64, 32), tail_splits=16),
 }
 
 
@@ -69,13 +78,15 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+  parser.add_argument("--products", nargs="+", choices=list(PRODUCTS), default=list(PRODUCTS))
   parser.add_argument("--iterations", type=int, default=30)
   parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
   h, i = cases.HIDDEN, cases.INTERMEDIATE
   rows = []
   for s in args.seq_lens:
-    for name, (shape, transpose_a) in PRODUCTS.items():
+    for name in args.products:
+      shape, transpose_a = PRODUCTS[name]
       m, k, n = shape(s, h, i)
       ka, kb = jax.random.split(jax.random.key(s * 7 + len(rows)))
       a = jax.random.normal(ka, (k, m) if transpose_a else (m, k), jnp.float16)

@@ -14,6 +14,8 @@ HIGHEST's contract (1e-5), and 2 u for the modes that round (TF32 u = 2^-11, f16
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -208,13 +210,10 @@ def test_mosaic_launch_1_as_accurate_as_triton_launch_1(tokens, mode):
 
 
 def _mosaic_backward(inputs, precision):
-  """The Hopper backend's backward, called directly (it joins the registry once these pass)."""
-  from vision_mlp_bwd.backends import mosaic
-  from vision_mlp_bwd.precision import canonicalize
-  from vision_mlp_bwd.problem import check_backward_args
-  problem = check_backward_args(*inputs, canonicalize(precision))
-  assert mosaic.BACKEND.unsupported_reason(problem, "gpu") is None
-  return jax.device_get(jax.jit(lambda *a: mosaic.backward(*a, problem=problem))(*inputs))
+  """The Hopper backend's backward through the public API."""
+  fn = jax.jit(functools.partial(vision_mlp_bwd.mlp_backward, precision=precision,
+                                 implementation="mosaic"))
+  return jax.device_get(fn(*inputs))
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 63, 65, 129, 333, 2500])

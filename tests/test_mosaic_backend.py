@@ -1,11 +1,14 @@
 """The Mosaic backend (backends/mosaic): where it runs, what it refuses, and that it lowers.
 
-Its numbers are held on the GPU (tests/test_gpu.py: bounds at ragged S, determinism;
-the backend joins the registry once those pass); here the whole backward is lowered
-for CUDA without a GPU at S that leave a tail in every block dimension.
+Its numbers are held on the GPU (tests/test_gpu.py: bounds at ragged S, determinism);
+here the whole backward is lowered for CUDA without a GPU at S that leave a tail in
+every block dimension, which also runs Mosaic's layout inference and its shared-memory
+check.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +63,7 @@ def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
 def test_it_would_be_preferred_only_where_its_routing_says():
   backend = mosaic.BACKEND
   assert not backend.preferred(_problem(4096), "gpu")   # no measured win recorded yet
-  routed = mosaic_backward.Tables(mosaic_backward.TABLES.rows, mosaic_backward.TABLES.weight_grads,
-                                  {"float32": {"f16": [[1024, None]]}})
+  routed = dataclasses.replace(mosaic_backward.TABLES, routing={"float32": {"f16": [[1024, None]]}})
   original = mosaic.TABLES
   try:
     mosaic.TABLES = routed
@@ -76,11 +78,11 @@ def test_it_would_be_preferred_only_where_its_routing_says():
     (4097, (128, 256), (128, 256)), (16384, (128, 256), (128, 256))])
 def test_configs_by_s_from_the_file(tokens, rows_block, weight_block):
   for dtype in (jnp.float32, jnp.bfloat16):
-    rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype))
+    pre, rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype))
     assert (rows.block, weights.block) == (rows_block, weight_block)
-    # 16-bit outputs store 64-column (128-byte) epilogue pieces.
+    # 16-bit outputs store 64-column (128-byte) epilogue pieces; the pre-GELU gradient is 16-bit.
     width = min(rows.epilogue_tile[1], weights.epilogue_tile[1]) * jnp.dtype(dtype).itemsize
-    assert width >= 128
+    assert width >= 128 and pre.epilogue_tile[1] * 2 >= 128
 
 
 def test_its_config_file_cites_results_and_notes_that_exist():

@@ -3,10 +3,14 @@
 On 16-bit products only (F16 or BF16 on fp32 inputs, any precision on bf16
 and f16 inputs, as `precision.for_inputs` says): the operands are cast to the
 product dtype (nothing to do on 16-bit inputs), the four products run in the
-layouts the operands arrive in, and the GELU derivative, the bias gradients
-and the rounding of the pre-GELU gradient are the reference's own functions,
-which XLA fuses into one pass between the products. Numerically it is the
-XLA backward with another fp32 accumulation order.
+layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
+applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
+arrive by TMA while its MMAs run), writes the 16-bit pre-GELU gradient once
+and returns its column sums for `grad_fc1_bias` (of the stored values on
+16-bit inputs, of the fp32 values on fp32 inputs, as the reference sums).
+Numerically it is the XLA backward with another fp32 accumulation order and,
+on 16-bit inputs, without the rounding of `grad_output @ fc2_weight` to the
+input dtype before the GELU derivative.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows (which add nothing to any sum) and
@@ -31,8 +35,12 @@ CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
 
 @dataclasses.dataclass(frozen=True)
 class Tables:
-  """The engine configuration of each product by S: (largest S or None, GemmConfig) rows."""
+  """The engine configuration of each product by S: (largest S or None, GemmConfig) rows.
 
+  `pre_gelu`: grad_output @ fc2_weight with the fused epilogue; `rows`: the
+  input gradient (M = S); `weight_grads`: the two products over S."""
+
+  pre_gelu: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
   rows: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
   weight_grads: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
   routing: dict
@@ -44,15 +52,14 @@ class Tables:
         k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
         for bound, fields in rows)
     tables = document["tables"]
-    return cls({name: parse(t["rows"]) for name, t in tables.items()},
-               {name: parse(t["weight_grads"]) for name, t in tables.items()},
-               document["routing"])
+    return cls(*({name: parse(t[product]) for name, t in tables.items()}
+                  for product in ("pre_gelu", "rows", "weight_grads")), document["routing"])
 
-  def configs(self, problem: Problem) -> tuple[engine.GemmConfig, engine.GemmConfig]:
-    """(the M = S products' config, the weight gradients' config) for this problem."""
-    outputs = "sixteen_bit_outputs" if problem.dtype.itemsize == 2 else "fp32_outputs"
+  def configs(self, problem: Problem) -> tuple[engine.GemmConfig, ...]:
+    """The (pre-GELU, input gradient, weight gradients) products' configs for this problem."""
+    inputs = "sixteen_bit_inputs" if problem.dtype.itemsize == 2 else "fp32_inputs"
     pick = lambda rows: next(c for bound, c in rows if bound is None or problem.tokens <= bound)
-    return pick(self.rows[outputs]), pick(self.weight_grads[outputs])
+    return tuple(pick(table[inputs]) for table in (self.pre_gelu, self.rows, self.weight_grads))
 
 
 TABLES = Tables.load()
@@ -64,7 +71,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
   mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
   operand = mode.operand_dtype
-  rows_config, weight_config = tables.configs(problem)
+  pre_config, rows_config, weight_config = tables.configs(problem)
   padded = padded_rows(tokens)
 
   def rows_operand(x):
@@ -75,11 +82,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
-  grad_gelu = engine.matmul(grad_out16, fc2_weight.astype(operand), out_dtype=dtype,
-                            config=rows_config)[:tokens]
-  grad_pre, grad_fc1_bias = reference.pre_gelu_operand_and_bias_grad(
-      reference.gelu_backward(grad_gelu, fc1_output), mode, dtype)
-  grad_pre16 = rows_operand(grad_pre)
+  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
+  grad_pre16, grad_fc1_bias = engine.matmul(
+      grad_out16, fc2_weight.astype(operand), out_dtype=operand, config=pre_config,
+      epilogue=engine.Epilogue(reference.gelu_backward, column_sums=(
+          "stored" if dtype.itemsize == 2 else "unrounded")), epilogue_operand=fc1_output)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,
