@@ -67,15 +67,13 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.matmul(jax.ShapeDtypeStruct((256, 1280), jnp.float16),
                   jax.ShapeDtypeStruct((1280, 3584), jnp.float16),
                   config=engine.GemmConfig(tile_n=64, stages=6))
-  gelu = engine.Epilogue(lambda acc, x: acc * x, column_sums="stored")
+  gelu = lambda acc, x: acc * x
   with pytest.raises(ValueError, match="epilogue and epilogue_operand together"):
     engine.matmul(a16, jax.ShapeDtypeStruct((128, 64), jnp.float16), epilogue=gelu)
   with pytest.raises(ValueError, match=r"epilogue_operand has shape \(72, 64\) and dtype "
                                        r"float32; expected \[M' <= 64, 64\]"):
     engine.matmul(a16, jax.ShapeDtypeStruct((128, 64), jnp.float16), epilogue=gelu,
                   epilogue_operand=jax.ShapeDtypeStruct((72, 64), jnp.float32))
-  with pytest.raises(ValueError, match="column_sums takes None, 'stored' or 'unrounded'"):
-    engine.Epilogue(gelu.fn, column_sums="rows")
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
 

@@ -5,12 +5,13 @@ and f16 inputs, as `precision.for_inputs` says): the operands are cast to the
 product dtype (nothing to do on 16-bit inputs), the four products run in the
 layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
-arrive by TMA while its MMAs run), writes the 16-bit pre-GELU gradient once
-and returns its column sums for `grad_fc1_bias` (of the stored values on
-16-bit inputs, of the fp32 values on fp32 inputs, as the reference sums).
-Numerically it is the XLA backward with another fp32 accumulation order and,
-on 16-bit inputs, without the rounding of `grad_output @ fc2_weight` to the
-input dtype before the GELU derivative.
+arrive by TMA while its MMAs run) and stores the pre-GELU gradient in the
+input dtype; the bias gradient and the rounding of that gradient to the
+product dtype are the reference's own function, which XLA runs in one pass
+(on 16-bit inputs only the sum: the gradient is stored as the products read
+it). Numerically it is the XLA backward with another fp32 accumulation order
+and, on 16-bit inputs, without the rounding of `grad_output @ fc2_weight` to
+the input dtype before the GELU derivative.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows (which add nothing to any sum) and
@@ -83,10 +84,10 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
-  grad_pre16, grad_fc1_bias = engine.matmul(
-      grad_out16, fc2_weight.astype(operand), out_dtype=operand, config=pre_config,
-      epilogue=engine.Epilogue(reference.gelu_backward, column_sums=(
-          "stored" if dtype.itemsize == 2 else "unrounded")), epilogue_operand=fc1_output)
+  grad_pre = engine.matmul(grad_out16, fc2_weight.astype(operand), out_dtype=dtype,
+                           config=pre_config, epilogue=reference.gelu_backward,
+                           epilogue_operand=fc1_output)
+  grad_pre16, grad_fc1_bias = reference.pre_gelu_operand_and_bias_grad(grad_pre, mode, dtype)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,

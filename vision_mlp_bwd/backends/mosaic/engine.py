@@ -28,12 +28,14 @@ are summed in a fixed order (no atomics: the result is bitwise
 deterministic) and written into the output's last r blocks, which form at
 most two rectangles because the order of blocks is row-major at the end.
 
-A fused epilogue (`Epilogue`) stores `fn(acc, X tile)` instead of the
+A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
-(the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`), and can
-return the column sums of what it computes, per block row, summed by XLA in a
-fixed order (the bias gradient), as CUTLASS's `LinCombDeEltActDePerRowBias`
-does. Such a product is not split along K (`fn` needs the whole sum).
+(the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). Such a
+product is not split along K (`fn` needs the whole sum). Column sums in the
+epilogue (a bias gradient, as CUTLASS's `LinCombDeEltActDePerRowBias` does)
+are not here: a reduction across warps in Pallas's Mosaic GPU lowering uses
+one shared scratch buffer, which both compute warpgroups wrote at once
+(wrong sums on the H200; benchmarks/NOTES.md, 35).
 
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
@@ -89,27 +91,12 @@ class GemmConfig:
       raise ValueError(f"GemmConfig.tail_splits must be >= 1: {self}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Epilogue:
-  """An elementwise function of the fp32 accumulator and a tile of a second `[M, N]` array,
-  applied before the store, and which column sums to return (None, "stored": of the
-  values as stored, or "unrounded": of `fn`'s fp32 values)."""
-
-  fn: Callable
-  column_sums: str | None = None
-
-  def __post_init__(self):
-    if self.column_sums not in (None, "stored", "unrounded"):
-      raise ValueError(f"Epilogue.column_sums takes None, 'stored' or 'unrounded': {self}")
-
-
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
-REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
-                        split_tail: bool, epilogue_dtype=None, column_sums=False) -> int:
+                        split_tail: bool, epilogue_dtype=None) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers.
 
   Mosaic does not refuse a kernel over the limit: on the H200 such a kernel
@@ -124,9 +111,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   epilogue = 2 * slots * epi_m * epi_n * out_bytes
   if split_tail and out_bytes != 4:   # the fp32 partials' own buffer, one per warpgroup
     epilogue += 2 * epi_m * max(epi_n, 32) * 4
-  if epilogue_dtype is not None:      # the fused epilogue's operand tiles and column sums
+  if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     epilogue += 2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize
-    epilogue += (2 * config.tile_n * 4 + REDUCTION_SCRATCH_BYTES) if column_sums else 0
   return ring + epilogue
 
 
@@ -176,12 +162,11 @@ def num_sms() -> int:
 
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
-           epilogue: Epilogue | None = None, epilogue_operand=None):
+           epilogue: Callable | None = None, epilogue_operand=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
-  With `epilogue`, stores `epilogue.fn(acc, epilogue_operand)` (`epilogue_operand`
-  `[M', N]`, M' <= M: rows past it read as zeros) and, if it asks for column sums,
-  returns `(out, sums [N] fp32)`."""
+  With `epilogue`, stores `epilogue(acc, epilogue_operand)` in fp32 (`epilogue_operand`
+  `[M', N]`, M' <= M: rows past it read as zeros)."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
                     f"b {b.dtype}.")
@@ -207,8 +192,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     config = dataclasses.replace(config, tail_splits=1)   # fn needs whole sums
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
-                             None if epilogue is None else epilogue_operand.dtype,
-                             epilogue is not None and epilogue.column_sums is not None)
+                             None if epilogue is None else epilogue_operand.dtype)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
@@ -218,9 +202,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue)
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-  sum_rows = plan.grid_mn[0] * (2 if config.split == "m" else 1)   # one per warpgroup tile row
-  if epilogue is not None and epilogue.column_sums:
-    out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct((plan.tail * plan.splits, block_m, block_n),
                                           jnp.float32))
@@ -229,11 +210,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
-  if epilogue is not None and epilogue.column_sums:
-    sums = outs[1][0]
-    for row in range(1, sum_rows):   # a fixed order: bitwise deterministic
-      sums = sums + outs[1][row]
-    return outs[0], sums
   if plan.splits == 1:
     return outs[0]
   return _write_tail(outs[0], outs[1], plan, config.block)
@@ -264,14 +240,11 @@ def _write_tail(out, partials, plan: Schedule, block):
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
-            epilogue: Epilogue | None):
+            epilogue: Callable | None):
   if epilogue is None:
     operand_gmem, (out_gmem, *partial_gmem) = None, refs
-    sums_gmem = None
   else:
-    operand_gmem, out_gmem, *rest = refs
-    sums_gmem = rest[0] if epilogue.column_sums else None
-    partial_gmem = []
+    (operand_gmem, out_gmem), partial_gmem = refs, []
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
@@ -313,15 +286,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-  if sums_gmem is not None:
-    extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32))
 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
-  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
-             sums_smem=None):
+  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None):
     wg = lax.axis_index("wg")
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
@@ -343,18 +313,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           acc = acc_ref[...]   # waits for the MMAs still in flight
           if epilogue is not None:
             plgpu.barrier_wait(operand_arrived.at[wg])
-            value = epilogue.fn(acc, operand_smem[wg].astype(jnp.float32))
-            acc = value.astype(smem.dtype)
-          else:
-            acc = acc.astype(smem.dtype)
+            acc = epilogue(acc, operand_smem[wg].astype(jnp.float32))
+          acc = acc.astype(smem.dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
-          if sums_gmem is not None:
-            summed = value if epilogue.column_sums == "unrounded" else acc.astype(jnp.float32)
-            sums_smem[wg] = jnp.sum(summed, axis=0)
-            plgpu.commit_smem()
-            sum_row = bm * 2 + wg if config.split == "m" else bm
-            plgpu.copy_smem_to_gmem(sums_smem.at[wg],
-                                    sums_gmem.at[sum_row, block_cols].at[wg_cols])
           out = dest.at[wg_rows, wg_cols]
           buffers, piece_n = smem.shape[1], smem.shape[-1]
           for pm in range(tile_m // epi_m):
