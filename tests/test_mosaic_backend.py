@@ -60,9 +60,11 @@ def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
       backend.unsupported_reason(_problem(64), "cpu"))
 
 
-def test_it_would_be_preferred_only_where_its_routing_says():
+def test_it_is_preferred_only_where_its_routing_says():
   backend = mosaic.BACKEND
-  assert not backend.preferred(_problem(4096), "gpu")   # no measured win recorded yet
+  assert not backend.preferred(_problem(4096), "gpu")   # fp32 inputs: no measured win
+  assert backend.preferred(_problem(384, jnp.bfloat16, DotMode.BF16), "gpu")
+  assert not backend.preferred(_problem(768, jnp.bfloat16, DotMode.BF16), "gpu")
   routed = dataclasses.replace(mosaic_backward.TABLES, routing={"float32": {"f16": [[1024, None]]}})
   original = mosaic.TABLES
   try:
@@ -71,6 +73,36 @@ def test_it_would_be_preferred_only_where_its_routing_says():
     assert not backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")
   finally:
     mosaic.TABLES = original
+
+
+def _routing_run():
+  """The input-dtype run the routing cites: {(dtype name, S): {implementation: µs}}."""
+  import json
+  import pathlib
+  document = json.loads(mosaic_backward.CONFIG_FILE.read_text())
+  [path] = [r["path"] for r in document["provenance"]["results"] if "routing" in r["what"]]
+  rows = json.loads((pathlib.Path(__file__).resolve().parents[1] / path).read_text())["rows"]
+  return {(name, r["seq_len"]): {label.split(", ")[-1]: us for label, us in r.items()
+                                  if label.startswith(f"{name} in, ")}
+          for r in rows for name in ("bf16", "f16")}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_routing_holds_to_the_measurement_it_cites(dtype):
+  """On 16-bit inputs the automatic choice takes the backend only where it measured faster
+  than every other choice in the cited run, and each routed range ends at measured S."""
+  run = _routing_run()
+  name = {jnp.bfloat16: "bf16", jnp.float16: "f16"}[dtype]
+  mode = DotMode.BF16 if dtype == jnp.bfloat16 else DotMode.F16
+  for (dtype_name, tokens), times in run.items():
+    if dtype_name != name:
+      continue
+    others = min(us for label, us in times.items() if label != "mosaic")
+    routed = mosaic.BACKEND.preferred(_problem(tokens, dtype, mode), "gpu")
+    assert routed == (times["mosaic"] < others), (name, tokens, times)
+  measured = {tokens for dtype_name, tokens in run if dtype_name == name}
+  for lo, hi in mosaic_backward.TABLES.routing[jnp.dtype(dtype).name][mode.value]:
+    assert lo in measured and hi in measured
 
 
 @pytest.mark.parametrize("tokens, rows_block, weight_block", [

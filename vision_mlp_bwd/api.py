@@ -33,7 +33,7 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
       32-bit precision multiplies the 16-bit values with fp32 accumulation
       (`vision_mlp_bwd.precision.for_inputs`).
     implementation: `None` (best for the platform), or a name in
-      `vision_mlp_bwd.backends.names()`, e.g. `"triton"` or `"xla"`.
+      `vision_mlp_bwd.backends.names()`: `"mosaic"` (Hopper), `"triton"` or `"xla"`.
 
   Returns:
     `(grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
