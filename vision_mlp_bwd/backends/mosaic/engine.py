@@ -162,11 +162,12 @@ def num_sms() -> int:
 
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
-           epilogue: Callable | None = None, epilogue_operand=None):
+           epilogue: Callable | None = None, epilogue_operand=None, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` in fp32 (`epilogue_operand`
-  `[M', N]`, M' <= M: rows past it read as zeros)."""
+  `[M', N]`, M' <= M: rows past it read as zeros). `interpret` is `plgpu.kernel`'s (Pallas's
+  GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN: the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
                     f"b {b.dtype}.")
@@ -209,6 +210,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       kernel, out_type=tuple(out_types),
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
   if plan.splits == 1:
     return outs[0]

@@ -1,0 +1,87 @@
+"""The Hopper GEMM engine run on the CPU, in Pallas's GPU interpret mode.
+
+The interpreter runs the kernel's programs, warpgroups, TMA copies, barriers
+and wgmma on the CPU, so the engine's schedule (whole blocks, the last wave
+split along K and summed in order), its warp-specialized pipeline and its
+fused epilogue are checked in CI against a float64 oracle. Two things it does
+not model are left to the GPU tests (tests/test_gpu.py): TMA's zero fill of
+reads past an array's end (it raises instead, so every shape here is whole
+blocks) and transposed shared-memory operands (the weight gradients'
+`transpose_a`).
+
+Bounds: an fp32 accumulation of K exact 16-bit products lies within
+γ_K (|A| |B|) of the exact sum, γ_K = K u / (1 - K u), u = 2^-24. The fused
+epilogue multiplies by the fp32 GELU derivative (within 5e-7 of the float64
+value on [-12, 12], tests/test_gelu.py) with one fp32 rounding, then stores
+in bf16 (unit roundoff 2^-8).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from vision_mlp_bwd import reference
+from vision_mlp_bwd.backends.mosaic import engine
+
+interpret_params = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
+                                       reason="this JAX has no Pallas GPU interpret mode")
+
+U32, U_BF16, GELU_GRAD_ERROR = 2.0 ** -24, 2.0 ** -8, 5e-7
+C = engine.GemmConfig
+CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
+    "whole blocks, fewer programs than blocks": (256, 128, 256, C(tile_n=64, stages=2), 3,
+                                                  jnp.float32, None),
+    "last wave split along K": (256, 384, 256, C(tile_n=64, stages=2, tail_splits=4), 3,
+                                jnp.float32, None),
+    "one wgmma group in flight, 16-bit out": (256, 256, 128, C(
+        tile_n=64, stages=3, mma_in_flight=1, epilogue_tile=(64, 64)), 2, jnp.bfloat16, None),
+    "GELU epilogue, fp32 operand": (128, 128, 256, C(tile_n=64, stages=2,
+                                                     epilogue_tile=(64, 64)), 2, jnp.bfloat16,
+                                    jnp.float32),
+    "GELU epilogue, bf16 operand": (128, 128, 256, C(tile_n=64, stages=2,
+                                                     epilogue_tile=(64, 64)), 2, jnp.bfloat16,
+                                    jnp.bfloat16),
+}
+
+
+def gelu_grad64(x):
+  """The contract's tanh-GELU derivative in float64."""
+  u = np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)
+  t = np.tanh(u)
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x * x)
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=pytest.mark.transcendental) if CASES[c][-1] is not None else c
+    for c in CASES])   # the GELU epilogue's exp: under every CPU vector ISA in CI
+def test_engine_in_interpret_mode_within_its_bound(case):
+  m, k, n, config, programs, out_dtype, operand_dtype = CASES[case]
+  keys = jax.random.split(jax.random.key(hash(case) % 2 ** 31), 3)
+  dtype = jnp.float16 if operand_dtype is None else jnp.bfloat16   # bf16: no F16C needed
+  a = jax.random.normal(keys[0], (m, k), dtype)
+  b = jax.random.normal(keys[1], (k, n), dtype)
+  extra = {}
+  if operand_dtype is not None:
+    x = jax.random.normal(keys[2], (m, n), operand_dtype) * 3
+    extra = dict(epilogue=reference.gelu_backward, epilogue_operand=x)
+  # Unwritten output elements read as NaN in the interpreter, and fail the bound.
+  out = engine.matmul(a, b, config=config, num_programs=programs, out_dtype=out_dtype,
+                      interpret=interpret_params.InterpretGPUParams(), **extra)
+  assert out.shape == (m, n) and out.dtype == out_dtype
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  exact, magnitude = a64 @ b64, np.abs(a64) @ np.abs(b64)
+  bound = k * U32 / (1 - k * U32) * magnitude
+  if operand_dtype is not None:
+    g = gelu_grad64(np.asarray(x, np.float64))
+    exact, bound = exact * g, bound * np.abs(g) + np.abs(exact) * (GELU_GRAD_ERROR + 2 * U32)
+  if out_dtype != jnp.float32:
+    bound = bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+  error = np.abs(np.asarray(out, np.float64) - exact)
+  assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
+  plan = engine.schedule(m, n, k, config, programs)
+  if case == "last wave split along K":
+    assert plan.splits > 1 and plan.tail > 0 and plan.whole > 0
