@@ -99,8 +99,9 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
                         split_tail: bool, epilogue_dtype=None) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers.
 
-  Mosaic does not refuse a kernel over the limit: on the H200 such a kernel
-  faulted at launch (benchmarks/engine_shapes.py), so `matmul` checks this first.
+  JAX 0.10.2's Mosaic lowering refuses a kernel over the limit, but with JAX
+  0.11.2 on the H200 such a kernel was launched and faulted
+  (benchmarks/engine_shapes.py), so `matmul` checks this first.
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
