@@ -7,6 +7,7 @@ model and the chex check against it are in `tests/bounds.py`.
 from __future__ import annotations
 
 import itertools
+import json
 
 import chex
 import jax
@@ -124,3 +125,15 @@ def check_triton_backward(inputs, tolerance, label="", **kwargs):
   chex.assert_type(tuple(outs), [x.dtype for x in inputs[1:6]])
   assert_close_to_oracle(outs, backward_float64(*inputs), tolerance, label)
   return outs
+
+
+def recorded_commit(path):
+  """The commit a result file records about itself, or None (no record, or 'unknown')."""
+  json_path = path.with_suffix(".json")
+  if not json_path.exists():
+    return None
+  record = json.loads(json_path.read_text())
+  if not isinstance(record, dict):
+    return None
+  commit = record.get("meta", {}).get("git_commit") or record.get("commit")
+  return None if commit in (None, "unknown") else commit

@@ -28,6 +28,7 @@ from vision_mlp_bwd.backends.triton.config import (
     load_tables)
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
+from tests import helpers
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FILE = REPO / "vision_mlp_bwd/backends/triton/configs" / config.CONFIG_FILE
@@ -113,18 +114,6 @@ def _provenances():
     yield f"routing.{name}", routing["provenance"]
 
 
-def _recorded_commit(path):
-  """The commit a result file records about itself, or None (no record, or 'unknown')."""
-  json_path = path.with_suffix(".json")
-  if not json_path.exists():
-    return None
-  record = json.loads(json_path.read_text())
-  if not isinstance(record, dict):
-    return None
-  commit = record.get("meta", {}).get("git_commit") or record.get("commit")
-  return None if commit in (None, "unknown") else commit
-
-
 def test_every_provenance_result_exists_and_agrees_with_its_file():
   notes = (REPO / "benchmarks/NOTES.md").read_text()
   sections = {int(n) for n in re.findall(r"^### (\d+)\.", notes, re.M)}
@@ -136,7 +125,7 @@ def test_every_provenance_result_exists_and_agrees_with_its_file():
       if not path.is_file():
         missing.append(f"{where}: {result['path']}")
         continue
-      recorded = _recorded_commit(path)
+      recorded = helpers.recorded_commit(path)
       if recorded and not (result["commit"] and recorded.startswith(result["commit"])):
         disagreeing.append(f"{where}: {result['path']} records {recorded}, the file says "
                            f"{result['commit']}")

@@ -118,7 +118,7 @@ def test_configs_by_s_from_the_file(tokens, rows_block, weight_block):
     assert width >= 128
 
 
-def test_its_config_file_cites_results_and_notes_that_exist():
+def test_its_config_file_cites_results_commits_and_notes_that_exist():
   import json
   import pathlib
   import re
@@ -128,4 +128,6 @@ def test_its_config_file_cites_results_and_notes_that_exist():
                                          (repo / "benchmarks/NOTES.md").read_text(), re.M)}
   assert set(document["provenance"]["notes"]) <= sections
   for result in document["provenance"]["results"]:
-    assert (repo / result["path"]).is_file(), result["path"]
+    path = repo / result["path"]
+    assert path.is_file(), result["path"]
+    assert helpers.recorded_commit(path).startswith(result["commit"]), result["path"]
