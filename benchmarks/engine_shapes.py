@@ -4,8 +4,8 @@ For each (M, K, N, transposed A, config, output dtype), runs `engine.matmul` on
 fresh f16 operands and checks every element against the componentwise bound
 2 γ_K (|A| |B|) of cuBLAS's fp32-accumulated product; a case that faults the
 GPU (or that the engine refuses) is reported as CRASH without taking the
-others down. Prints one line per
-case (and writes nothing): a check of where the engine is correct, not a timing.
+others down. Prints one line per case (and writes nothing): a check of where
+the engine is correct, not a timing.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import vision_mlp_bwd
+from vision_mlp_bwd import backends, precision as precisions
+from vision_mlp_bwd.problem import Problem
 from benchmarks.run import result_stem, todays_runs_dir
 from benchmarks import cases, timing
 
@@ -75,8 +77,6 @@ def _runs(column, hidden, intermediate) -> bool:
   _, dtype, precision, implementation = column
   if implementation is None:
     return True
-  from vision_mlp_bwd import backends, precision as precisions
-  from vision_mlp_bwd.problem import Problem
   dtype = jnp.dtype(dtype)
   problem = Problem(cases.SEQ_LENS[0], hidden, intermediate, dtype,
                     precisions.for_inputs(precisions.canonicalize(precision), dtype))
