@@ -85,3 +85,37 @@ def test_engine_in_interpret_mode_within_its_bound(case):
   plan = engine.schedule(m, n, k, config, programs)
   if case == "last wave split along K":
     assert plan.splits > 1 and plan.tail > 0 and plan.whole > 0
+
+
+@pytest.mark.transcendental
+@pytest.mark.parametrize("column_sums", ["unrounded", "stored"])
+def test_epilogue_column_sums_in_interpret_mode_within_their_bound(column_sums):
+  """The fused epilogue's column sums, the two compute warpgroups taking turns: over 2 x 2
+  blocks on 3 programs (so one program runs two blocks and one none). "unrounded" sums the
+  fp32 values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
+  the bf16 values stored, within fp32 summation of M terms of the stored output itself."""
+  m, k, n = 256, 128, 256
+  keys = jax.random.split(jax.random.key(7 + len(column_sums)), 3)
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  x = jax.random.normal(keys[2], (m, n), jnp.bfloat16) * 3
+  out, sums = engine.matmul(a, b, config=C(tile_n=64, stages=2, epilogue_tile=(64, 64)),
+                            num_programs=3, out_dtype=jnp.bfloat16,
+                            epilogue=reference.gelu_backward, epilogue_operand=x,
+                            column_sums=column_sums,
+                            interpret=interpret_params.InterpretGPUParams())
+  assert sums.shape == (n,) and sums.dtype == jnp.float32
+  gamma_m = m * U32 / (1 - m * U32)
+  if column_sums == "stored":
+    stored = np.asarray(out, np.float64)
+    exact, bound = stored.sum(0), gamma_m * np.abs(stored).sum(0)
+  else:
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    g = gelu_grad64(np.asarray(x, np.float64))
+    values = (a64 @ b64) * g
+    element_bound = (k * U32 / (1 - k * U32) * (np.abs(a64) @ np.abs(b64)) * np.abs(g)
+                     + np.abs(values) * (GELU_GRAD_ERROR + 2 * U32))
+    exact = values.sum(0)
+    bound = element_bound.sum(0) + gamma_m * (np.abs(values) + element_bound).sum(0)
+  error = np.abs(np.asarray(sums, np.float64) - exact)
+  assert np.all(error <= bound), float(np.nanmax(error / bound))

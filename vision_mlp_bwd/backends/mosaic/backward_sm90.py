@@ -5,17 +5,17 @@ and f16 inputs, as `precision.for_inputs` says): the operands are cast to the
 product dtype (nothing to do on 16-bit inputs), the four products run in the
 layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
-arrive by TMA while its MMAs run) and stores the pre-GELU gradient in the
-input dtype; the bias gradient and the rounding of that gradient to the
-product dtype are the reference's own function, which XLA runs in one pass
-(on 16-bit inputs only the sum: the gradient is stored as the products read
-it). Numerically it is the XLA backward with another fp32 accumulation order
-and, on 16-bit inputs, without the rounding of `grad_output @ fc2_weight` to
-the input dtype before the GELU derivative.
+arrive by TMA while its MMAs run), stores the pre-GELU gradient once, in the
+product dtype the other two products read, and sums its columns into the
+bias gradient: of the fp32 values on fp32 inputs, of the stored values on
+16-bit inputs, as `reference.pre_gelu_operand_and_bias_grad` does. On
+16-bit inputs the epilogue first rounds `grad_output @ fc2_weight` to the
+input dtype, as `jnp.matmul` returns it. Numerically it is the XLA backward
+with another fp32 accumulation order.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
-S-row operands are padded with zero rows (which add nothing to any sum) and
-the input gradient is cut back.
+S-row operands are padded with zero rows (which add nothing to any sum:
+gelu'(0) times a zero row is zero) and the input gradient is cut back.
 """
 
 from __future__ import annotations
@@ -83,11 +83,13 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
-  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
-  grad_pre = engine.matmul(grad_out16, fc2_weight.astype(operand), out_dtype=dtype,
-                           config=pre_config, epilogue=reference.gelu_backward,
-                           epilogue_operand=fc1_output)
-  grad_pre16, grad_fc1_bias = reference.pre_gelu_operand_and_bias_grad(grad_pre, mode, dtype)
+  sixteen_bit = jnp.dtype(dtype).itemsize == 2
+  pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
+              else reference.gelu_backward)
+  grad_pre16, grad_fc1_bias = engine.matmul(
+      grad_out16, fc2_weight.astype(operand), out_dtype=operand, config=pre_config,
+      epilogue=pre_gelu, epilogue_operand=fc1_output,
+      column_sums="stored" if sixteen_bit else "unrounded")
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,

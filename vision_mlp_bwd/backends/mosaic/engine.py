@@ -31,11 +31,19 @@ most two rectangles because the order of blocks is row-major at the end.
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 (the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). Such a
-product is not split along K (`fn` needs the whole sum). Column sums in the
-epilogue (a bias gradient, as CUTLASS's `LinCombDeEltActDePerRowBias` does)
-are not here: a reduction across warps in Pallas's Mosaic GPU lowering uses
-one shared scratch buffer, which both compute warpgroups wrote at once
-(wrong sums on the H200; benchmarks/NOTES.md, 35).
+product is not split along K (`fn` needs the whole sum). It can also return
+the column sums of what it computes (a bias gradient, as CUTLASS's
+`LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
+of a workspace, whose rows XLA adds in a fixed order. Pallas's Mosaic GPU
+lowering gives every reduction across warps one shared-memory scratch
+buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
+benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
+pair of barriers.
+
+Clusters (`cluster="m"` or `"n"`): two programs on neighbouring SMs compute
+neighbouring blocks along that dimension, so they need the same `B` (for
+"m") or `A` (for "n") tiles; each tile is read from L2 once and multicast
+into both programs' shared memory by TMA.
 
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
@@ -77,6 +85,8 @@ class GemmConfig:
   # At most this many K-parts for each block of the last wave (1: no split);
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
+  epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
+  cluster: str | None = None  # two programs share operand tiles along "m" or "n" (or none)
 
   @property
   def block(self) -> tuple[int, int]:
@@ -84,19 +94,35 @@ class GemmConfig:
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
+  @property
+  def cluster_size(self) -> int:
+    return 1 if self.cluster is None else 2
+
+  @property
+  def cluster_block(self) -> tuple[int, int]:
+    """(rows, columns) of the output one cluster of programs computes at a time."""
+    block_m, block_n = self.block
+    return (block_m * (2 if self.cluster == "m" else 1),
+            block_n * (2 if self.cluster == "n" else 1))
+
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
-    if self.tail_splits < 1:
-      raise ValueError(f"GemmConfig.tail_splits must be >= 1: {self}")
+    if self.cluster not in (None, "m", "n"):
+      raise ValueError(f"GemmConfig.cluster takes None, 'm' or 'n': {self}")
+    if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
+      raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
+                       f"{self}")
 
 
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
+COLUMN_SUMS = (None, "stored", "unrounded")
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
-                        split_tail: bool, epilogue_dtype=None) -> int:
+                        split_tail: bool, epilogue_dtype=None, column_sums=False) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers.
 
   JAX 0.10.2's Mosaic lowering refuses a kernel over the limit, but with JAX
@@ -107,19 +133,22 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   epi_m, epi_n = config.epilogue_tile
   ring = min(config.stages, k_steps) * (block_m + block_n) * config.tile_k
   ring *= jnp.dtype(dtype).itemsize
-  slots = min(2, (config.tile_m // epi_m) * (config.tile_n // epi_n))
+  slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   epilogue = 2 * slots * epi_m * epi_n * out_bytes
   if split_tail and out_bytes != 4:   # the fp32 partials' own buffer, one per warpgroup
     epilogue += 2 * epi_m * max(epi_n, 32) * 4
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     epilogue += 2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize
+  if column_sums:                     # one row of sums per warpgroup, the reduction's scratch
+    epilogue += 2 * config.tile_n * 4 + REDUCTION_SCRATCH_BYTES
   return ring + epilogue
 
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """How a persistent grid of `programs` covers `grid_mn` blocks.
+  """How a persistent grid of `programs` (clusters, where the config has them) covers
+  `grid_mn` cluster blocks.
 
   The first `whole` blocks in row-major order are computed whole; each of the
   remaining blocks is computed in `splits` parts of `steps_per_split`
@@ -138,9 +167,10 @@ class Schedule:
     return self.grid_mn[0] * self.grid_mn[1] - self.whole
 
 
-def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Schedule:
+def schedule(m: int, n: int, k: int, config: GemmConfig, sms: int) -> Schedule:
   """The blocks, and the split of the last wave's blocks along K (see the module docstring)."""
-  block_m, block_n = config.block
+  block_m, block_n = config.cluster_block
+  programs = sms // config.cluster_size
   grid_mn = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
   blocks = grid_mn[0] * grid_mn[1]
   k_steps = pl.cdiv(k, config.tile_k)
@@ -163,12 +193,16 @@ def num_sms() -> int:
 
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
-           epilogue: Callable | None = None, epilogue_operand=None, interpret=None):
+           epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
+           interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
-  With `epilogue`, stores `epilogue(acc, epilogue_operand)` in fp32 (`epilogue_operand`
-  `[M', N]`, M' <= M: rows past it read as zeros). `interpret` is `plgpu.kernel`'s (Pallas's
-  GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN: the tests')."""
+  With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
+  (`epilogue_operand` `[M', N]`, M' <= M: rows past it read as zeros, and rows past M
+  add `epilogue(0, 0)` to the column sums). `column_sums="stored"` (of the values as
+  stored) or `"unrounded"` (of the fp32 values) also returns the fp32 sums over the rows,
+  `(out, sums [N])`. `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
+  the kernel on a CPU, unwritten output elements NaN: the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
                     f"b {b.dtype}.")
@@ -186,6 +220,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                      f"epilogue needs >= {SWIZZLE}.")
   if (epilogue is None) != (epilogue_operand is None):
     raise ValueError("matmul takes epilogue and epilogue_operand together.")
+  if column_sums not in COLUMN_SUMS or (column_sums and epilogue is None):
+    raise ValueError(f"matmul: column_sums={column_sums!r}; it takes one of {COLUMN_SUMS}, "
+                     "and sums only with an epilogue.")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
         epilogue_operand.shape[0] > m):
@@ -194,7 +231,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     config = dataclasses.replace(config, tail_splits=1)   # fn needs whole sums
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
-                             None if epilogue is None else epilogue_operand.dtype)
+                             None if epilogue is None else epilogue_operand.dtype,
+                             column_sums is not None)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
@@ -202,20 +240,41 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                      "pieces fit).")
   block_m, block_n = config.block
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
-                             epilogue=epilogue)
+                             epilogue=epilogue, column_sums=column_sums)
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+  sum_rows = plan.grid_mn[0] * config.cluster_block[0] // config.tile_m
+  if column_sums:   # one row per row of warpgroup tiles
+    out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if plan.splits > 1:
-    out_types.append(jax.ShapeDtypeStruct((plan.tail * plan.splits, block_m, block_n),
-                                          jnp.float32))
+    out_types.append(jax.ShapeDtypeStruct(
+        (plan.tail * plan.splits * config.cluster_size, block_m, block_n), jnp.float32))
+  cluster = {} if config.cluster is None else dict(cluster=(2,), cluster_names=("cluster",))
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-      **({} if interpret is None else dict(interpret=interpret)),
+      **cluster, **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
+  if column_sums:
+    sums = outs[1][0]
+    for row in range(1, sum_rows):   # a fixed order: bitwise deterministic
+      sums = sums + outs[1][row]
+    return outs[0], sums
   if plan.splits == 1:
     return outs[0]
-  return _write_tail(outs[0], outs[1], plan, config.block)
+  return _write_tail(outs[0], _cluster_blocks(outs[1], config), plan, config.cluster_block)
+
+
+def _cluster_blocks(partials, config: GemmConfig):
+  """[parts x cluster, block] partials, the cluster's programs' blocks side by side, as
+  [parts, cluster block]."""
+  if config.cluster is None:
+    return partials
+  block_m, block_n = config.block
+  pairs = partials.reshape(-1, 2, block_m, block_n)
+  if config.cluster == "m":
+    return pairs.reshape(-1, 2 * block_m, block_n)
+  return pairs.transpose(0, 2, 1, 3).reshape(-1, block_m, 2 * block_n)
 
 
 def _write_tail(out, partials, plan: Schedule, block):
@@ -243,28 +302,32 @@ def _write_tail(out, partials, plan: Schedule, block):
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
-            epilogue: Callable | None):
+            epilogue: Callable | None, column_sums: str | None):
   if epilogue is None:
-    operand_gmem, (out_gmem, *partial_gmem) = None, refs
+    operand_gmem, sums_gmem, (out_gmem, *partial_gmem) = None, None, refs
   else:
-    (operand_gmem, out_gmem), partial_gmem = refs, []
+    operand_gmem, out_gmem, *rest = refs
+    sums_gmem, partial_gmem = (rest[0] if column_sums else None), []
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
+  cluster_m, cluster_n = config.cluster_block
   grid_m, grid_n = plan.grid_mn
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
-  slots = min(2, pieces)
+  slots = min(config.epilogue_buffers, pieces)
 
   # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
   delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
+  # A cluster along "m" shares B's tiles, one along "n" A's.
+  shared = lambda dim: ("cluster",) if config.cluster == dim else ()
   a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                            delay_release=delay)
+                            delay_release=delay, collective_axes=shared("n"))
             if transpose_a else
             plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=swizzled_tiles(dtype),
-                            delay_release=delay))
+                            delay_release=delay, collective_axes=shared("n")))
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                           delay_release=delay)
+                           delay_release=delay, collective_axes=shared("m"))
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -289,22 +352,39 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if sums_gmem is not None:   # sums_turn[w]: warpgroup w may reduce
+    extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32),
+                      sums_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
-  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None):
+  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
+             sums_smem=None, sums_turn=None):
     wg = lax.axis_index("wg")
+    cta = 0 if config.cluster is None else lax.axis_index("cluster")
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
     else:
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+    if sums_gmem is not None:
+      @pl.when(wg == 1)
+      def _first_turn():   # warpgroup 0 reduces first
+        plgpu.barrier_arrive(sums_turn.at[0])
 
-    def run_block(bm, bn, k_first_step, steps, dest, smem):
-      """Accumulates block (bm, bn) over `steps` contraction steps; stores it to `dest`."""
-      block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
+    def run_block(bm, bn, k_first_step, steps, partial_index=None):
+      """Accumulates this program's block of cluster block (bm, bn) over `steps` contraction
+      steps; stores it to the output or, with `partial_index`, to that fp32 partial."""
+      row0 = bm * cluster_m + (cta * block_m if config.cluster == "m" else 0)
+      col0 = bn * cluster_n + (cta * block_n if config.cluster == "n" else 0)
+      block_rows, block_cols = pl.ds(row0, block_m), pl.ds(col0, block_n)
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
+      if partial_index is None:
+        dest, smem = out_gmem.at[block_rows, block_cols], out_smem
+      else:
+        dest = partial_gmem[0].at[partial_index * config.cluster_size + cta]
+        smem = partial_smem if separate_partial_smem else out_smem
 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -313,12 +393,21 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
             plgpu.copy_gmem_to_smem(operand_gmem.at[block_rows, block_cols].at[wg_rows, wg_cols],
                                     operand_smem.at[wg], operand_arrived.at[wg])
           run_pipeline(acc_ref)
-          acc = acc_ref[...]   # waits for the MMAs still in flight
+          acc = value = acc_ref[...]   # waits for the MMAs still in flight
           if epilogue is not None:
             plgpu.barrier_wait(operand_arrived.at[wg])
-            acc = epilogue(acc, operand_smem[wg].astype(jnp.float32))
-          acc = acc.astype(smem.dtype)
+            value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
+          acc = value.astype(smem.dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
+          if sums_gmem is not None:
+            summed = value if column_sums == "unrounded" else acc.astype(jnp.float32)
+            plgpu.barrier_wait(sums_turn.at[wg])
+            sums = jnp.sum(summed, axis=0)
+            plgpu.barrier_arrive(sums_turn.at[1 - wg])
+            sums_smem[wg] = sums
+            plgpu.commit_smem()
+            sum_row = row0 // tile_m + (wg if config.split == "m" else 0)
+            plgpu.copy_smem_to_gmem(sums_smem.at[wg], sums_gmem.at[sum_row, block_cols].at[wg_cols])
           out = dest.at[wg_rows, wg_cols]
           buffers, piece_n = smem.shape[1], smem.shape[-1]
           for pm in range(tile_m // epi_m):
@@ -353,8 +442,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
                                   0 if config.grid_minor == "m" else 1, config.grid_tile_width)
       bm = lax.select(in_rows, bm, jnp.int32(whole_rows))
       bn = lax.select(in_rows, bn, index - whole_rows * grid_n)
-      dest = out_gmem.at[pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)]
-      run_block(bm, bn, 0, plan.k_steps, dest, out_smem)
+      run_block(bm, bn, 0, plan.k_steps)
 
     if plan.whole:
       plgpu.nd_loop((plan.whole,), collective_axes="program")(_whole_blocks)
@@ -364,6 +452,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         (index,) = loop.index
         bm, bn = divmod(plan.whole + index // plan.splits, grid_n)
         run_block(bm, bn, (index % plan.splits) * plan.steps_per_split, plan.steps_per_split,
-                  partial_gmem[0].at[index], partial_smem if separate_partial_smem else out_smem)
+                  partial_index=index)
+    if sums_gmem is not None:
+      @pl.when(wg == 0)
+      def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
+        plgpu.barrier_wait(sums_turn.at[0])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
