@@ -46,13 +46,16 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seq-lens", type=int, nargs="+", default=list(cases.SEQ_LENS))
   parser.add_argument("--iterations", type=int, default=30)
+  parser.add_argument("--implementations", nargs="+", choices=["mosaic", "triton", "xla", "auto"],
+                      help="only these columns' implementations (default: all)")
   parser.add_argument("--out", default=todays_runs_dir(),
                       help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
   on_gpu = jax.default_backend() == "gpu"
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
   stem, date = result_stem(args.out, "input_dtypes")
-  columns = [c for c in COLUMNS if _runs(c, hidden, intermediate)]
+  columns = [c for c in COLUMNS if _runs(c, hidden, intermediate) and (
+      not args.implementations or (c[3] or "auto") in args.implementations)]
   rows = []
   for s in args.seq_lens:
     inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)
@@ -62,8 +65,10 @@ def main(argv=None):
           *a, precision=p, implementation=i))
       args_ = tuple(x.astype(dtype) for x in inputs)
       if on_gpu:
-        row[label] = timing.device_times_us(fn, *args_, warmup=5,
-                                            iterations=args.iterations).median_us
+        timed = timing.device_times_us(fn, *args_, warmup=5, iterations=args.iterations)
+        row[label] = timed.median_us
+        row.setdefault("kernels", {})[label] = list(zip(timed.kernel_names,
+                                                        timed.kernel_median_us))
       else:
         row[label] = timing.wall_times_us(fn, *args_, warmup=1, iterations=2).median_us
     rows.append(row)
