@@ -25,6 +25,7 @@ import json
 import pathlib
 
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import engine
@@ -66,6 +67,16 @@ class Tables:
 TABLES = Tables.load()
 
 
+def column_sums(x, chunk: int = 64):
+  """fp32 sums of the columns of `x` `[S, N]`: of chunks of `chunk` rows first, then of those.
+
+  The same fixed order on every call; XLA runs a sum over one long axis of few columns
+  (grad_output's 1280) on few SMs, and two short ones in parallel."""
+  rows = pl.cdiv(x.shape[0], chunk) * chunk
+  x = jnp.pad(x.astype(jnp.float32), ((0, rows - x.shape[0]), (0, 0)))
+  return x.reshape(rows // chunk, chunk, x.shape[1]).sum(axis=1).sum(axis=0)
+
+
 def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
              gelu_output, problem: Problem, tables: Tables = TABLES):
   """The five gradients for 2-D activations `[S, ·]`, with the engine's products."""
@@ -80,7 +91,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
 
   grad_out16, hidden16, gelu16 = map(rows_operand, (grad_output, hidden_state, gelu_output))
-  grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
+  grad_fc2_bias = column_sums(grad_output)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
@@ -89,7 +100,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_pre16, grad_fc1_bias = engine.matmul(
       grad_out16, fc2_weight.astype(operand), out_dtype=operand, config=pre_config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
-      column_sums="stored" if sixteen_bit else "unrounded")
+      column_sums="stored" if sixteen_bit else "unrounded", approx_math=True)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,

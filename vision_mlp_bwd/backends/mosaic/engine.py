@@ -194,14 +194,16 @@ def num_sms() -> int:
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
-           interpret=None):
+           approx_math: bool = False, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
   (`epilogue_operand` `[M', N]`, M' <= M: rows past it read as zeros, and rows past M
   add `epilogue(0, 0)` to the column sums). `column_sums="stored"` (of the values as
   stored) or `"unrounded"` (of the fp32 values) also returns the fp32 sums over the rows,
-  `(out, sums [N])`. `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
+  `(out, sums [N])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
+  use the GPU's approximate instructions (ex2.approx, div.approx: within 2^-22
+  relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
   the kernel on a CPU, unwritten output elements NaN: the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
@@ -252,7 +254,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           approx_math=approx_math),
       **cluster, **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
   if column_sums:
