@@ -4,8 +4,8 @@ On bf16 and f16 inputs the default precision multiplies the 16-bit values as
 they are (`precision.for_inputs`), which is what F16_F16_F32 does to fp32
 inputs after casting them. So for each seed S this times, with CUPTI and a
 cold L2 (`benchmarks/timing.py`): the Mosaic and Triton kernels and XLA on
-fp32 inputs under F16_F16_F32, and the same three and the automatic choice on
-bf16 and f16 inputs at the default precision; an implementation that cannot
+fp32 inputs under F16_F16_F32, and the same three on bf16 and f16 inputs at
+the default precision, each with the automatic choice; an implementation that cannot
 run here (the Mosaic one off Hopper) is left out. Writes
 `input_dtypes_<device>_<date>.{json,md}` into --out.
 """
@@ -31,6 +31,7 @@ F16 = lax.DotAlgorithmPreset.F16_F16_F32
 COLUMNS = (("fp32 in, F16, mosaic", jnp.float32, F16, "mosaic"),
            ("fp32 in, F16, triton", jnp.float32, F16, "triton"),
            ("fp32 in, F16, xla", jnp.float32, F16, "xla"),
+           ("fp32 in, F16, auto", jnp.float32, F16, None),
            ("bf16 in, mosaic", jnp.bfloat16, None, "mosaic"),
            ("bf16 in, triton", jnp.bfloat16, None, "triton"),
            ("bf16 in, xla", jnp.bfloat16, None, "xla"),

@@ -25,7 +25,6 @@ import json
 import pathlib
 
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import engine
@@ -67,16 +66,6 @@ class Tables:
 TABLES = Tables.load()
 
 
-def column_sums(x, chunk: int = 64):
-  """fp32 sums of the columns of `x` `[S, N]`: of chunks of `chunk` rows first, then of those.
-
-  The same fixed order on every call; XLA runs a sum over one long axis of few columns
-  (grad_output's 1280) on few SMs, and two short ones in parallel."""
-  rows = pl.cdiv(x.shape[0], chunk) * chunk
-  x = jnp.pad(x.astype(jnp.float32), ((0, rows - x.shape[0]), (0, 0)))
-  return x.reshape(rows // chunk, chunk, x.shape[1]).sum(axis=1).sum(axis=0)
-
-
 def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
              gelu_output, problem: Problem, tables: Tables = TABLES):
   """The five gradients for 2-D activations `[S, ·]`, with the engine's products."""
@@ -91,7 +80,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
 
   grad_out16, hidden16, gelu16 = map(rows_operand, (grad_output, hidden_state, gelu_output))
-  grad_fc2_bias = column_sums(grad_output)
+  grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
