@@ -18,13 +18,13 @@ from vision_mlp_bwd.backends import mosaic
 from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
-from tests import helpers
+from tests import bounds, helpers
 
 needs_lowering = pytest.mark.skipif(not helpers.cuda_lowering_without_gpu(),
                                     reason="this JAX lowers for CUDA only on a GPU")
 H, I = 1280, 3584
 MODES = [(jnp.float32, DotMode.F16), (jnp.float32, DotMode.BF16), (jnp.bfloat16, DotMode.BF16),
-         (jnp.float16, DotMode.F16), (jnp.bfloat16, DotMode.F16)]
+         (jnp.float16, DotMode.F16), (jnp.bfloat16, DotMode.F16), (jnp.float32, DotMode.TF32)]
 
 
 def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate=I):
@@ -49,7 +49,8 @@ def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode
 
 def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
   backend = mosaic.BACKEND
-  assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.TF32), "gpu")
+  assert "32 bits" not in backend.unsupported_reason(_problem(64, mode=DotMode.TF32), "gpu")
+  assert "32 bits" in backend.unsupported_reason(_problem(64, jnp.bfloat16, DotMode.TF32), "gpu")
   assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.HIGHEST), "gpu")
   assert "H=1000 is not a multiple of 64" in backend.unsupported_reason(
       _problem(64, hidden=1000), "gpu")
@@ -133,3 +134,36 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
     path = repo / result["path"]
     assert path.is_file(), result["path"]
     assert helpers.recorded_commit(path).startswith(result["commit"]), result["path"]
+
+
+def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
+                epilogue_operand=None, column_sums=None, **_):
+  """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands)."""
+  acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  value = acc
+  if epilogue is not None:
+    rows = acc.shape[0] - epilogue_operand.shape[0]
+    value = epilogue(acc, jnp.pad(epilogue_operand, ((0, rows), (0, 0))))
+  out = value.astype(out_dtype)
+  if column_sums:
+    return out, jnp.sum(value if column_sums == "unrounded" else out.astype(jnp.float32), 0)
+  return out
+
+
+@pytest.mark.transcendental
+@pytest.mark.parametrize("tokens", [65, 200])
+def test_tf32_on_the_f16_engine_within_the_tf32_operand_bounds(monkeypatch, tokens):
+  """DEFAULT on fp32 inputs: the backend's scaling, padding and unscaling around its four
+  products (here jnp stand-ins for the engine, exact on their f16 operands), on rows
+  scaled by powers of two from 2^-20 to 2^20, against the float64 oracle of TF32-rounded
+  operands within `bounds.tf32_on_f16_oracle_and_bounds`."""
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  inputs = list(helpers.backward_inputs(tokens, 128, 256))
+  key = helpers.fresh_key()
+  spread = jnp.exp2(jax.random.randint(key, (tokens, 1), -20, 20).astype(jnp.float32))
+  inputs[0] = inputs[0] * spread          # grad_output rows far apart in magnitude
+  problem = _problem(tokens, jnp.float32, DotMode.TF32, 128, 256)
+  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem))(*inputs)
+  oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
+  bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, f"tf32 S={tokens}")

@@ -7,10 +7,12 @@ the automatic choice takes it where `configs/h200.json`'s routing says so.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from vision_mlp_bwd.backends.mosaic.backward_sm90 import TABLES, backward
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE
 from vision_mlp_bwd.backends.shared import in_ranges
+from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
 __all__ = ["BACKEND", "backward"]
@@ -22,10 +24,11 @@ class MosaicBackend:
   name = "mosaic"
 
   def unsupported_reason(self, problem: Problem, platform: str) -> str | None:
-    if problem.mode.operand_dtype is None:
-      return (f"{problem.mode.name} on {problem.dtype.name} inputs multiplies in 32 bits; "
-              "this backend runs 16-bit products only (F16_F16_F32 or BF16_BF16_F32 "
-              "precision, or bf16/f16 inputs).")
+    tf32_on_f16 = problem.mode == DotMode.TF32 and problem.dtype == jnp.float32
+    if problem.mode.operand_dtype is None and not tf32_on_f16:
+      return (f"{problem.mode.name} on {problem.dtype.name} inputs multiplies in 32 bits "
+              "beyond TF32; this backend runs 16-bit products (F16_F16_F32 or BF16_BF16_F32 "
+              "precision, or bf16/f16 inputs) and TF32 on fp32 inputs (DEFAULT).")
     for name, size in (("H", problem.hidden), ("I", problem.intermediate)):
       if size % ROW_LENGTH:
         return f"{name}={size} is not a multiple of {ROW_LENGTH}."

@@ -13,6 +13,15 @@ bias gradient: of the fp32 values on fp32 inputs, of the stored values on
 input dtype, as `jnp.matmul` returns it. Numerically it is the XLA backward
 with another fp32 accumulation order.
 
+TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
+`precision.py`'s power-of-two scaling: each operand is scaled along the
+index its product keeps (a row of A, a column of B) so that its f16 values
+are its TF32 roundings, scaled; each product is unscaled afterwards
+(exactly: the scales are powers of two). The pre-GELU product is scaled by
+its row and column, which the GELU derivative's product commutes with, so
+its epilogue runs as on 16-bit products; its output stays fp32, and its
+bias sum and the scaled operands of the two products after it are XLA's.
+
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows (which add nothing to any sum:
 gelu'(0) times a zero row is zero) and the input gradient is cut back.
@@ -26,9 +35,10 @@ import pathlib
 
 import jax.numpy as jnp
 
-from vision_mlp_bwd import reference
+from vision_mlp_bwd import precision, reference
 from vision_mlp_bwd.backends.mosaic import engine
 from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
+from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
@@ -74,6 +84,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   operand = mode.operand_dtype
   pre_config, rows_config, weight_config = tables.configs(problem)
   padded = padded_rows(tokens)
+  if mode == DotMode.TF32:
+    return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                          gelu_output, tokens, tables.configs(problem))
 
   def rows_operand(x):
     x = x.astype(operand)
@@ -96,3 +109,48 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                                     config=rows_config)[:tokens]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
           grad_fc2_bias.astype(dtype))
+
+
+def _scaled_f16(x, reduce_axis: int):
+  """(f16(x * s), s): s the power of two per index of x's other axis that puts the largest
+  magnitude along `reduce_axis` in [2^14, 2^15), so the f16 values are x's TF32 roundings,
+  scaled (`precision.f16_scale`; NaN and Inf are left out of the maxima and kept)."""
+  scale = precision.f16_scale(jnp.max(precision.finite_abs(x), axis=reduce_axis, keepdims=True))
+  return precision.scaled_f16_operand(x, scale), scale
+
+
+def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
+                   tokens, configs):
+  """The backward's TF32 products on the f16 engine (see the module docstring), fp32 inputs."""
+  pre_config, rows_config, weight_config = configs
+  padded = padded_rows(tokens)
+  pad = lambda x: x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
+
+  def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
+    """op(a) @ b on the scaled f16 operands; the fp32 result with its row and column scales
+    (a's scale per row of op(a), b's per column)."""
+    out = engine.matmul(pad(a), b, transpose_a=transpose_a, out_dtype=jnp.float32,
+                        config=config, **epilogue)
+    row_scale = a_scale.reshape(-1, 1)
+    return out[:row_scale.shape[0]] * (1 / row_scale) * (1 / b_scale.reshape(1, -1))
+
+  grad_fc2_bias = jnp.sum(grad_output, axis=0)
+  dy_by_column, dy_column_scale = _scaled_f16(grad_output, 0)
+  gelu16, gelu_scale = _scaled_f16(gelu_output, 0)
+  grad_fc2_weight = product(dy_by_column, dy_column_scale, pad(gelu16), gelu_scale,
+                            weight_config, transpose_a=True)
+  dy_by_row, dy_row_scale = _scaled_f16(grad_output, 1)
+  w2, w2_scale = _scaled_f16(fc2_weight, 0)
+  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
+  grad_pre = product(dy_by_row, dy_row_scale, w2, w2_scale, pre_config,
+                     epilogue=reference.gelu_backward, epilogue_operand=fc1_output,
+                     approx_math=True)
+  grad_fc1_bias = jnp.sum(grad_pre, axis=0)
+  pre_by_column, pre_column_scale = _scaled_f16(grad_pre, 0)
+  x16, x_scale = _scaled_f16(hidden_state, 0)
+  grad_fc1_weight = product(pre_by_column, pre_column_scale, pad(x16), x_scale, weight_config,
+                            transpose_a=True)
+  pre_by_row, pre_row_scale = _scaled_f16(grad_pre, 1)
+  w1, w1_scale = _scaled_f16(fc1_weight, 0)
+  grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
+  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
