@@ -52,6 +52,8 @@ def main(argv=None):
   parser.add_argument("--iterations", type=int, default=30)
   parser.add_argument("--implementations", nargs="+", choices=["mosaic", "triton", "xla", "auto"],
                       help="only these columns' implementations (default: all)")
+  parser.add_argument("--inputs", help="only the columns whose label starts with this, "
+                      "e.g. 'fp32 in, DEFAULT'")
   parser.add_argument("--out", default=todays_runs_dir(),
                       help="default: benchmarks/results/runs/<UTC date>/")
   args = parser.parse_args(argv)
@@ -59,7 +61,8 @@ def main(argv=None):
   hidden, intermediate = (cases.HIDDEN, cases.INTERMEDIATE) if on_gpu else cases.CPU_DEMO_SIZE
   stem, date = result_stem(args.out, "input_dtypes")
   columns = [c for c in COLUMNS if _runs(c, hidden, intermediate) and (
-      not args.implementations or (c[3] or "auto") in args.implementations)]
+      not args.implementations or (c[3] or "auto") in args.implementations) and (
+      not args.inputs or c[0].startswith(args.inputs))]
   rows = []
   for s in args.seq_lens:
     inputs = cases.make_inputs(jax.random.key(s), s, hidden, intermediate)
