@@ -58,16 +58,6 @@ CONFIGS = {   # block (rows x columns), contraction step, stages, snake band wid
     "128x128 k64 st6 w8 f1 e64x32 t16 64x128 warpgroups": C(
         tile_m=64, tile_n=128, split="m", stages=6, mma_in_flight=1, epilogue_tile=(64, 32),
         tail_splits=16),
-    # ... "cluster-m/n": two programs' blocks along M (N) sharing multicast B (A) tiles.
-    "128x128 k64 st6 w8 f1 e64x32 t16 cluster-m": C(tile_n=64, stages=6, mma_in_flight=1,
-                                                    epilogue_tile=(64, 32), tail_splits=16,
-                                                    cluster="m"),
-    "128x128 k64 st6 w8 f1 e64x32 t16 cluster-n": C(tile_n=64, stages=6, mma_in_flight=1,
-                                                    epilogue_tile=(64, 32), tail_splits=16,
-                                                    cluster="n"),
-    "128x256 k64 st4 w8 f1 e64x32 t16 cluster-m": C(stages=4, mma_in_flight=1,
-                                                    epilogue_tile=(64, 32), tail_splits=16,
-                                                    cluster="m"),
 }
 
 

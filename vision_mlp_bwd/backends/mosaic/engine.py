@@ -40,11 +40,6 @@ buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
-Clusters (`cluster="m"` or `"n"`): two programs on neighbouring SMs compute
-neighbouring blocks along that dimension, so they need the same `B` (for
-"m") or `A` (for "n") tiles; each tile is read from L2 once and multicast
-into both programs' shared memory by TMA.
-
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
 count that is a multiple of 8 and a row length that is a multiple of 64
@@ -86,7 +81,6 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
-  cluster: str | None = None  # two programs share operand tiles along "m" or "n" (or none)
 
   @property
   def block(self) -> tuple[int, int]:
@@ -94,22 +88,9 @@ class GemmConfig:
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
-  @property
-  def cluster_size(self) -> int:
-    return 1 if self.cluster is None else 2
-
-  @property
-  def cluster_block(self) -> tuple[int, int]:
-    """(rows, columns) of the output one cluster of programs computes at a time."""
-    block_m, block_n = self.block
-    return (block_m * (2 if self.cluster == "m" else 1),
-            block_n * (2 if self.cluster == "n" else 1))
-
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
-    if self.cluster not in (None, "m", "n"):
-      raise ValueError(f"GemmConfig.cluster takes None, 'm' or 'n': {self}")
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
@@ -147,8 +128,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
 
 @dataclasses.dataclass(frozen=True)
 class Schedule:
-  """How a persistent grid of `programs` (clusters, where the config has them) covers
-  `grid_mn` cluster blocks.
+  """How a persistent grid of `programs` covers `grid_mn` blocks.
 
   The first `whole` blocks in row-major order are computed whole; each of the
   remaining blocks is computed in `splits` parts of `steps_per_split`
@@ -167,10 +147,9 @@ class Schedule:
     return self.grid_mn[0] * self.grid_mn[1] - self.whole
 
 
-def schedule(m: int, n: int, k: int, config: GemmConfig, sms: int) -> Schedule:
+def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Schedule:
   """The blocks, and the split of the last wave's blocks along K (see the module docstring)."""
-  block_m, block_n = config.cluster_block
-  programs = sms // config.cluster_size
+  block_m, block_n = config.block
   grid_mn = (pl.cdiv(m, block_m), pl.cdiv(n, block_n))
   blocks = grid_mn[0] * grid_mn[1]
   k_steps = pl.cdiv(k, config.tile_k)
@@ -244,19 +223,18 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums)
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
-  sum_rows = plan.grid_mn[0] * config.cluster_block[0] // config.tile_m
+  sum_rows = plan.grid_mn[0] * block_m // config.tile_m
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
-        (plan.tail * plan.splits * config.cluster_size, block_m, block_n), jnp.float32))
-  cluster = {} if config.cluster is None else dict(cluster=(2,), cluster_names=("cluster",))
+        (plan.tail * plan.splits, block_m, block_n), jnp.float32))
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
-      **cluster, **({} if interpret is None else dict(interpret=interpret)),
+      **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
   if column_sums:
     sums = outs[1][0]
@@ -265,19 +243,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     return outs[0], sums
   if plan.splits == 1:
     return outs[0]
-  return _write_tail(outs[0], _cluster_blocks(outs[1], config), plan, config.cluster_block)
-
-
-def _cluster_blocks(partials, config: GemmConfig):
-  """[parts x cluster, block] partials, the cluster's programs' blocks side by side, as
-  [parts, cluster block]."""
-  if config.cluster is None:
-    return partials
-  block_m, block_n = config.block
-  pairs = partials.reshape(-1, 2, block_m, block_n)
-  if config.cluster == "m":
-    return pairs.reshape(-1, 2 * block_m, block_n)
-  return pairs.transpose(0, 2, 1, 3).reshape(-1, block_m, 2 * block_n)
+  return _write_tail(outs[0], outs[1], plan, config.block)
 
 
 def _write_tail(out, partials, plan: Schedule, block):
@@ -314,7 +280,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
-  cluster_m, cluster_n = config.cluster_block
   grid_m, grid_n = plan.grid_mn
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
@@ -322,15 +287,13 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
 
   # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
   delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
-  # A cluster along "m" shares B's tiles, one along "n" A's.
-  shared = lambda dim: ("cluster",) if config.cluster == dim else ()
   a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                            delay_release=delay, collective_axes=shared("n"))
+                            delay_release=delay)
             if transpose_a else
             plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=swizzled_tiles(dtype),
-                            delay_release=delay, collective_axes=shared("n")))
+                            delay_release=delay))
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                           delay_release=delay, collective_axes=shared("m"))
+                           delay_release=delay)
 
   def pipeline(body, compute_context, steps):
     return plgpu.emit_pipeline_warp_specialized(
@@ -366,7 +329,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, sums_turn=None):
     wg = lax.axis_index("wg")
-    cta = 0 if config.cluster is None else lax.axis_index("cluster")
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
     else:
@@ -377,16 +339,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         plgpu.barrier_arrive(sums_turn.at[0])
 
     def run_block(bm, bn, k_first_step, steps, partial_index=None):
-      """Accumulates this program's block of cluster block (bm, bn) over `steps` contraction
-      steps; stores it to the output or, with `partial_index`, to that fp32 partial."""
-      row0 = bm * cluster_m + (cta * block_m if config.cluster == "m" else 0)
-      col0 = bn * cluster_n + (cta * block_n if config.cluster == "n" else 0)
+      """Accumulates block (bm, bn) over `steps` contraction steps; stores it to the output
+      or, with `partial_index`, to that fp32 partial."""
+      row0, col0 = bm * block_m, bn * block_n
       block_rows, block_cols = pl.ds(row0, block_m), pl.ds(col0, block_n)
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
       if partial_index is None:
         dest, smem = out_gmem.at[block_rows, block_cols], out_smem
       else:
-        dest = partial_gmem[0].at[partial_index * config.cluster_size + cta]
+        dest = partial_gmem[0].at[partial_index]
         smem = partial_smem if separate_partial_smem else out_smem
 
       def compute_context(run_pipeline):
