@@ -4,8 +4,8 @@
     compute-sanitizer --tool racecheck python -m tests.sanitize_run --implementation mosaic 7 65 333
 
 The Triton backend runs on fp32 inputs at the default precision and under
-F16_F16_F32; the Mosaic backend, which takes 16-bit products only, on fp32
-inputs under F16_F16_F32 and on bf16 inputs.
+F16_F16_F32; the Mosaic backend on fp32 inputs under F16_F16_F32 and on bf16
+inputs.
 """
 
 import argparse

@@ -1,9 +1,9 @@
 """The backward on the GEMM engine: four engine products, the GELU derivative between them.
 
-On 16-bit products only (F16 or BF16 on fp32 inputs, any precision on bf16
-and f16 inputs, as `precision.for_inputs` says): the operands are cast to the
-product dtype (nothing to do on 16-bit inputs), the four products run in the
-layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
+On 16-bit products (F16 or BF16 on fp32 inputs, any precision on bf16 and
+f16 inputs, as `precision.for_inputs` says; TF32 below): the operands are
+cast to the product dtype (nothing to do on 16-bit inputs), the four
+products run in the layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
 arrive by TMA while its MMAs run), stores the pre-GELU gradient once, in the
 product dtype the other two products read, and sums its columns into the
