@@ -222,6 +222,14 @@ def scaled_f16_operand(x, scale):
   return (x.astype(jnp.float32) * scale).astype(jnp.float16)
 
 
+def scaled_f16_along(x, reduce_axis: int):
+  """(f16(x * s), s) for a whole array in XLA: s the power of two per index of x's other axis
+  that puts the largest finite magnitude along `reduce_axis` in [2^14, 2^15), so the f16
+  values are x's TF32 roundings, scaled (NaN and Inf are left out of the maxima and kept)."""
+  scale = f16_scale(jnp.max(finite_abs(x), axis=reduce_axis, keepdims=True))
+  return scaled_f16_operand(x, scale), scale
+
+
 def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
                lhs_in_registers: bool = False):
   """A tile product inside a Pallas kernel, computed as `mode` says.

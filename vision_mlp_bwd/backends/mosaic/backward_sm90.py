@@ -82,17 +82,13 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
   mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
   operand = mode.operand_dtype
-  pre_config, rows_config, weight_config = tables.configs(problem)
-  padded = padded_rows(tokens)
+  configs = tables.configs(problem)
   if mode == DotMode.TF32:
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
-                          gelu_output, tokens, tables.configs(problem))
-
-  def rows_operand(x):
-    x = x.astype(operand)
-    return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
-
-  grad_out16, hidden16, gelu16 = map(rows_operand, (grad_output, hidden_state, gelu_output))
+                          gelu_output, tokens, configs)
+  pre_config, rows_config, weight_config = configs
+  grad_out16, hidden16, gelu16 = (_pad_rows(x.astype(operand), tokens)
+                                  for x in (grad_output, hidden_state, gelu_output))
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
@@ -111,20 +107,17 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           grad_fc2_bias.astype(dtype))
 
 
-def _scaled_f16(x, reduce_axis: int):
-  """(f16(x * s), s): s the power of two per index of x's other axis that puts the largest
-  magnitude along `reduce_axis` in [2^14, 2^15), so the f16 values are x's TF32 roundings,
-  scaled (`precision.f16_scale`; NaN and Inf are left out of the maxima and kept)."""
-  scale = precision.f16_scale(jnp.max(precision.finite_abs(x), axis=reduce_axis, keepdims=True))
-  return precision.scaled_f16_operand(x, scale), scale
+def _pad_rows(x, tokens):
+  """`x` `[S, ·]` with zero rows up to `padded_rows(S)`, TMA's whole groups of 8."""
+  padded = padded_rows(tokens)
+  return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
 
 
 def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
                    tokens, configs):
   """The backward's TF32 products on the f16 engine (see the module docstring), fp32 inputs."""
   pre_config, rows_config, weight_config = configs
-  padded = padded_rows(tokens)
-  pad = lambda x: x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
+  pad = lambda x: _pad_rows(x, tokens)
 
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
     """op(a) @ b on the scaled f16 operands; the fp32 result with its row and column scales
@@ -135,22 +128,22 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
     return out[:row_scale.shape[0]] * (1 / row_scale) * (1 / b_scale.reshape(1, -1))
 
   grad_fc2_bias = jnp.sum(grad_output, axis=0)
-  dy_by_column, dy_column_scale = _scaled_f16(grad_output, 0)
-  gelu16, gelu_scale = _scaled_f16(gelu_output, 0)
+  dy_by_column, dy_column_scale = precision.scaled_f16_along(grad_output, 0)
+  gelu16, gelu_scale = precision.scaled_f16_along(gelu_output, 0)
   grad_fc2_weight = product(dy_by_column, dy_column_scale, pad(gelu16), gelu_scale,
                             weight_config, transpose_a=True)
-  dy_by_row, dy_row_scale = _scaled_f16(grad_output, 1)
-  w2, w2_scale = _scaled_f16(fc2_weight, 0)
+  dy_by_row, dy_row_scale = precision.scaled_f16_along(grad_output, 1)
+  w2, w2_scale = precision.scaled_f16_along(fc2_weight, 0)
   # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
   grad_pre = product(dy_by_row, dy_row_scale, w2, w2_scale, pre_config,
                      epilogue=reference.gelu_backward, epilogue_operand=fc1_output,
                      approx_math=True)
   grad_fc1_bias = jnp.sum(grad_pre, axis=0)
-  pre_by_column, pre_column_scale = _scaled_f16(grad_pre, 0)
-  x16, x_scale = _scaled_f16(hidden_state, 0)
+  pre_by_column, pre_column_scale = precision.scaled_f16_along(grad_pre, 0)
+  x16, x_scale = precision.scaled_f16_along(hidden_state, 0)
   grad_fc1_weight = product(pre_by_column, pre_column_scale, pad(x16), x_scale, weight_config,
                             transpose_a=True)
-  pre_by_row, pre_row_scale = _scaled_f16(grad_pre, 1)
-  w1, w1_scale = _scaled_f16(fc1_weight, 0)
+  pre_by_row, pre_row_scale = precision.scaled_f16_along(grad_pre, 1)
+  w1, w1_scale = precision.scaled_f16_along(fc1_weight, 0)
   grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
   return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias

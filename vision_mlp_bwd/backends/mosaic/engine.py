@@ -237,13 +237,18 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)))
   if column_sums:
-    sums = outs[1][0]
-    for row in range(1, sum_rows):   # a fixed order: bitwise deterministic
-      sums = sums + outs[1][row]
-    return outs[0], sums
+    return outs[0], _sum_in_order(outs[1])
   if plan.splits == 1:
     return outs[0]
   return _write_tail(outs[0], outs[1], plan, config.block)
+
+
+def _sum_in_order(x, axis: int = 0):
+  """The sum over `axis`, added left to right: a fixed order, bitwise deterministic."""
+  total = lax.index_in_dim(x, 0, axis, keepdims=False)
+  for i in range(1, x.shape[axis]):
+    total = total + lax.index_in_dim(x, i, axis, keepdims=False)
+  return total
 
 
 def _write_tail(out, partials, plan: Schedule, block):
@@ -251,10 +256,7 @@ def _write_tail(out, partials, plan: Schedule, block):
   (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
   m, n = out.shape
   parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
-  total = parts[:, 0]
-  for part in range(1, plan.splits):   # a fixed order: bitwise deterministic
-    total = total + parts[:, part]
-  total = total.astype(out.dtype)
+  total = _sum_in_order(parts, axis=1).astype(out.dtype)
   first_row, first_col = divmod(plan.whole, grid_n)
   pieces = []                          # (block row, block column, blocks) of each rectangle
   if first_col:
