@@ -5,8 +5,8 @@ they are (`precision.for_inputs`), which is what F16_F16_F32 does to fp32
 inputs after casting them. So for each seed S this times, with CUPTI and a
 cold L2 (`benchmarks/timing.py`): the Mosaic and Triton kernels and XLA on
 fp32 inputs under F16_F16_F32, and the same three on bf16 and f16 inputs at
-the default precision, each with the automatic choice, and Mosaic and XLA on
-fp32 inputs at the default precision (TF32); an implementation that cannot
+the default precision, each with the automatic choice, and Mosaic, XLA and the
+automatic choice on fp32 inputs at the default precision (TF32); an implementation that cannot
 run here (the Mosaic one off Hopper) is left out. Writes
 `input_dtypes_<device>_<date>.{json,md}` into --out.
 """
@@ -35,6 +35,7 @@ COLUMNS = (("fp32 in, F16, mosaic", jnp.float32, F16, "mosaic"),
            ("fp32 in, F16, auto", jnp.float32, F16, None),
            ("fp32 in, DEFAULT, mosaic", jnp.float32, None, "mosaic"),
            ("fp32 in, DEFAULT, xla", jnp.float32, None, "xla"),
+           ("fp32 in, DEFAULT, auto", jnp.float32, None, None),
            ("bf16 in, mosaic", jnp.bfloat16, None, "mosaic"),
            ("bf16 in, triton", jnp.bfloat16, None, "triton"),
            ("bf16 in, xla", jnp.bfloat16, None, "xla"),
