@@ -119,3 +119,34 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(column_sums):
     bound = element_bound.sum(0) + gamma_m * (np.abs(values) + element_bound).sum(0)
   error = np.abs(np.asarray(sums, np.float64) - exact)
   assert np.all(error <= bound), float(np.nanmax(error / bound))
+
+
+@pytest.mark.parametrize("case", ["last wave split along K", pytest.param(
+    "GELU epilogue, fp32 operand", marks=pytest.mark.transcendental)])
+def test_row_and_column_scales_in_interpret_mode_within_their_bound(case):
+  """`row_scale` and `col_scale` multiply the accumulator before the epilogue, in the
+  kernel and in the split tail's sum: powers of two from 2^-10 to 2^10, so the bound of
+  the unscaled product scales exactly with them."""
+  m, k, n, config, programs, out_dtype, operand_dtype = CASES[case]
+  keys = jax.random.split(jax.random.key(11 + len(case)), 5)
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  row = jnp.exp2(jax.random.randint(keys[2], (m,), -10, 10).astype(jnp.float32))
+  col = jnp.exp2(jax.random.randint(keys[3], (n,), -10, 10).astype(jnp.float32))
+  extra = {}
+  if operand_dtype is not None:
+    x = jax.random.normal(keys[4], (m, n), operand_dtype) * 3
+    extra = dict(epilogue=reference.gelu_backward, epilogue_operand=x)
+  out = engine.matmul(a, b, config=config, num_programs=programs, out_dtype=out_dtype,
+                      row_scale=row, col_scale=col,
+                      interpret=interpret_params.InterpretGPUParams(), **extra)
+  scale = np.asarray(row, np.float64)[:, None] * np.asarray(col, np.float64)[None, :]
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  exact, bound = (a64 @ b64) * scale, k * U32 / (1 - k * U32) * (np.abs(a64) @ np.abs(b64)) * scale
+  if operand_dtype is not None:
+    g = gelu_grad64(np.asarray(x, np.float64))
+    exact, bound = exact * g, bound * np.abs(g) + np.abs(exact) * (GELU_GRAD_ERROR + 2 * U32)
+  if out_dtype != jnp.float32:
+    bound = bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+  error = np.abs(np.asarray(out, np.float64) - exact)
+  assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))

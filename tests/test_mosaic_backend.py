@@ -12,6 +12,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from vision_mlp_bwd.backends import mosaic
@@ -78,33 +79,41 @@ def test_it_is_preferred_only_where_its_routing_says():
     mosaic.TABLES = original
 
 
-def _routing_run():
-  """The input-dtype run the routing cites: {(dtype name, S): {implementation: µs}}."""
+def _routing_runs():
+  """The input-dtype runs the routing cites, merged: {(inputs, S): {implementation: µs}},
+  `inputs` a column label's prefix ("fp32 in, F16", "fp32 in, DEFAULT", "bf16 in", ...)."""
   import json
   import pathlib
   document = json.loads(mosaic_backward.CONFIG_FILE.read_text())
-  [path] = [r["path"] for r in document["provenance"]["results"] if "routing" in r["what"]]
-  rows = json.loads((pathlib.Path(__file__).resolve().parents[1] / path).read_text())["rows"]
-  return {(name, r["seq_len"]): {label.split(", ")[-1]: us for label, us in r.items()
-                                  if label.startswith(f"{name} in, ")}
-          for r in rows for name in ("fp32", "bf16", "f16")}
+  paths = [r["path"] for r in document["provenance"]["results"] if "routing" in r["what"]]
+  times = {}
+  for path in paths:
+    rows = json.loads((pathlib.Path(__file__).resolve().parents[1] / path).read_text())["rows"]
+    for r in rows:
+      for label, us in r.items():
+        if " in" in label:
+          inputs, implementation = label.rsplit(", ", 1)
+          times.setdefault((inputs, r["seq_len"]), {})[implementation] = us
+  return times
 
 
-@pytest.mark.parametrize("dtype, mode, name", [(jnp.float32, DotMode.F16, "fp32"),
-                                               (jnp.bfloat16, DotMode.BF16, "bf16"),
-                                               (jnp.float16, DotMode.F16, "f16")])
-def test_routing_holds_to_the_measurement_it_cites(dtype, mode, name):
+@pytest.mark.parametrize("dtype, mode, inputs", [(jnp.float32, DotMode.F16, "fp32 in, F16"),
+                                                 (jnp.float32, DotMode.TF32, "fp32 in, DEFAULT"),
+                                                 (jnp.bfloat16, DotMode.BF16, "bf16 in"),
+                                                 (jnp.float16, DotMode.F16, "f16 in")])
+def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
   """The automatic choice takes the backend only where it measured faster than every other
-  implementation in the cited run (fp32 inputs under F16, 16-bit inputs at the default
-  precision), and each routed range ends at measured S."""
-  run = _routing_run()
-  for (dtype_name, tokens), times in run.items():
-    if dtype_name != name:
+  implementation in the cited runs (fp32 inputs under F16 and DEFAULT, 16-bit inputs at the
+  default precision), and each routed range ends at measured S."""
+  runs = _routing_runs()
+  measured = {tokens for name, tokens in runs if name == inputs}
+  assert measured, f"no cited run measured {inputs}"
+  for (name, tokens), times in runs.items():
+    if name != inputs:
       continue
     others = min(us for label, us in times.items() if label not in ("mosaic", "auto"))
     routed = mosaic.BACKEND.preferred(_problem(tokens, dtype, mode), "gpu")
-    assert routed == (times["mosaic"] < others), (name, tokens, times)
-  measured = {tokens for dtype_name, tokens in run if dtype_name == name}
+    assert routed == (times["mosaic"] < others), (inputs, tokens, times)
   for lo, hi in mosaic_backward.TABLES.routing[jnp.dtype(dtype).name][mode.value]:
     assert lo in measured and hi in measured
 
@@ -138,10 +147,12 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
-                epilogue_operand=None, column_sums=None, **_):
+                epilogue_operand=None, column_sums=None, row_scale=None, col_scale=None, **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
+  if row_scale is not None:
+    acc = acc * row_scale[:, None] * col_scale[None, :]
   value = acc
   if epilogue is not None:
     rows = acc.shape[0] - epilogue_operand.shape[0]
@@ -168,3 +179,21 @@ def test_tf32_on_the_f16_engine_within_the_tf32_operand_bounds(monkeypatch, toke
   outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem))(*inputs)
   oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
   bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, f"tf32 S={tokens}")
+
+
+def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkeypatch):
+  """A NaN or Inf in a row or column gives it the scale of a non-finite maximum
+  (`precision.scaled_f16_along`); the outputs are NaN and Inf where the reference's are."""
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  inputs = list(helpers.backward_inputs(20, 128, 256))
+  inputs[0] = inputs[0].at[3, 5].set(jnp.nan)
+  inputs[6] = inputs[6].at[7, 2].set(jnp.inf)
+  inputs[1] = inputs[1].at[11, 4].set(-jnp.inf)
+  inputs[7] = inputs[7].at[13, 9].set(jnp.inf)
+  problem = _problem(20, jnp.float32, DotMode.TF32, 128, 256)
+  ours = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem))(*inputs)
+  ref = helpers.backward_float64(*inputs)
+  for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+    np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=name)
+    assert np.any(~np.isfinite(a)), name

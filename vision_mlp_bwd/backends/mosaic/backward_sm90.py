@@ -17,10 +17,11 @@ TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 `precision.py`'s power-of-two scaling: each operand is scaled along the
 index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
-(exactly: the scales are powers of two). The pre-GELU product is scaled by
-its row and column, which the GELU derivative's product commutes with, so
-its epilogue runs as on 16-bit products; its output stays fp32, and its
-bias sum and the scaled operands of the two products after it are XLA's.
+(exactly: the scales are powers of two), in the engine, which multiplies
+the accumulator by the reciprocal scales. The pre-GELU product's epilogue
+then runs on unscaled values, as on 16-bit products; its output stays fp32,
+and its bias sum and the scaled operands of the two products after it are
+XLA's.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows (which add nothing to any sum:
@@ -120,12 +121,14 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   pad = lambda x: _pad_rows(x, tokens)
 
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
-    """op(a) @ b on the scaled f16 operands; the fp32 result with its row and column scales
-    (a's scale per row of op(a), b's per column)."""
-    out = engine.matmul(pad(a), b, transpose_a=transpose_a, out_dtype=jnp.float32,
-                        config=config, **epilogue)
-    row_scale = a_scale.reshape(-1, 1)
-    return out[:row_scale.shape[0]] * (1 / row_scale) * (1 / b_scale.reshape(1, -1))
+    """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
+    op(a), b's per column), in fp32."""
+    a = pad(a)
+    rows = a.shape[1] if transpose_a else a.shape[0]
+    row_unscale = jnp.pad(1 / a_scale.reshape(-1), (0, rows - a_scale.size))   # 0: padding
+    out = engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
+                        row_scale=row_unscale, col_scale=1 / b_scale.reshape(-1), **epilogue)
+    return out[:a_scale.size]
 
   grad_fc2_bias = jnp.sum(grad_output, axis=0)
   dy_by_column, dy_column_scale = precision.scaled_f16_along(grad_output, 0)

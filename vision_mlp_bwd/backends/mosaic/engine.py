@@ -40,6 +40,11 @@ buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
+With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
+epilogue operand), the accumulator is multiplied by them before the epilogue:
+what the TF32 products on the f16 engine need to unscale their power-of-two
+scaled operands, without a pass over the output.
+
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
 count that is a multiple of 8 and a row length that is a multiple of 64
@@ -103,7 +108,8 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
-                        split_tail: bool, epilogue_dtype=None, column_sums=False) -> int:
+                        split_tail: bool, epilogue_dtype=None, column_sums=False,
+                        scales=False) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers.
 
   JAX 0.10.2's Mosaic lowering refuses a kernel over the limit, but with JAX
@@ -123,6 +129,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     epilogue += 2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize
   if column_sums:                     # one row of sums per warpgroup, the reduction's scratch
     epilogue += 2 * config.tile_n * 4 + REDUCTION_SCRATCH_BYTES
+  if scales:                          # each warpgroup's row and column scales
+    epilogue += 2 * (config.tile_m + config.tile_n) * 4
   return ring + epilogue
 
 
@@ -173,12 +181,13 @@ def num_sms() -> int:
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
-           approx_math: bool = False, interpret=None):
+           row_scale=None, col_scale=None, approx_math: bool = False, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
   (`epilogue_operand` `[M', N]`, M' <= M: rows past it read as zeros, and rows past M
-  add `epilogue(0, 0)` to the column sums). `column_sums="stored"` (of the values as
+  add `epilogue(0, 0)` to the column sums). `row_scale` [M] and `col_scale` [N] (fp32,
+  given together) multiply the accumulator's rows and columns first. `column_sums="stored"` (of the values as
   stored) or `"unrounded"` (of the fp32 values) also returns the fp32 sums over the rows,
   `(out, sums [N])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
   use the GPU's approximate instructions (ex2.approx, div.approx: within 2^-22
@@ -204,6 +213,13 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if column_sums not in COLUMN_SUMS or (column_sums and epilogue is None):
     raise ValueError(f"matmul: column_sums={column_sums!r}; it takes one of {COLUMN_SUMS}, "
                      "and sums only with an epilogue.")
+  if (row_scale is None) != (col_scale is None):
+    raise ValueError("matmul takes row_scale and col_scale together.")
+  if row_scale is not None:
+    for name, v, size in (("row_scale", row_scale, m), ("col_scale", col_scale, n)):
+      if v.shape != (size,) or v.dtype != jnp.float32:
+        raise ValueError(f"matmul: {name} has shape {v.shape} and dtype {v.dtype}; expected "
+                         f"float32 [{size}].")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
         epilogue_operand.shape[0] > m):
@@ -213,15 +229,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None)
+                             column_sums is not None, row_scale is not None)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
                      f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
                      "pieces fit).")
   block_m, block_n = config.block
+  scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
-                             epilogue=epilogue, column_sums=column_sums)
+                             epilogue=epilogue, column_sums=column_sums, scaled=bool(scales))
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
   sum_rows = plan.grid_mn[0] * block_m // config.tile_m
   if column_sums:   # one row per row of warpgroup tiles
@@ -235,12 +252,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
-  )(a, b, *(() if epilogue is None else (epilogue_operand,)))
+  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
   if column_sums:
     return outs[0], _sum_in_order(outs[1])
   if plan.splits == 1:
     return outs[0]
-  return _write_tail(outs[0], outs[1], plan, config.block)
+  return _write_tail(outs[0], outs[1], plan, config.block, *scales)
 
 
 def _sum_in_order(x, axis: int = 0):
@@ -251,12 +268,13 @@ def _sum_in_order(x, axis: int = 0):
   return total
 
 
-def _write_tail(out, partials, plan: Schedule, block):
-  """Sums each tail block's K-parts in order and writes them into the output's last blocks."""
+def _write_tail(out, partials, plan: Schedule, block, row_scale=None, col_scale=None):
+  """Sums each tail block's K-parts in order, scales them (with the scales) and writes them
+  into the output's last blocks."""
   (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
   m, n = out.shape
   parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
-  total = _sum_in_order(parts, axis=1).astype(out.dtype)
+  total = _sum_in_order(parts, axis=1)
   first_row, first_col = divmod(plan.whole, grid_n)
   pieces = []                          # (block row, block column, blocks) of each rectangle
   if first_col:
@@ -268,17 +286,21 @@ def _write_tail(out, partials, plan: Schedule, block):
     rows, cols = blocks.shape[0], blocks.shape[1]
     rect = blocks.transpose(0, 2, 1, 3).reshape(rows * block_m, cols * block_n)
     r0, c0 = row * block_m, col * block_n
-    out = lax.dynamic_update_slice(out, rect[:m - r0, :n - c0], (r0, c0))
+    rect = rect[:m - r0, :n - c0]
+    if row_scale is not None:
+      rect = rect * row_scale[r0:r0 + rect.shape[0], None] * col_scale[None, c0:c0 + rect.shape[1]]
+    out = lax.dynamic_update_slice(out, rect.astype(out.dtype), (r0, c0))
   return out
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
-            epilogue: Callable | None, column_sums: str | None):
-  if epilogue is None:
-    operand_gmem, sums_gmem, (out_gmem, *partial_gmem) = None, None, refs
-  else:
-    operand_gmem, out_gmem, *rest = refs
-    sums_gmem, partial_gmem = (rest[0] if column_sums else None), []
+            epilogue: Callable | None, column_sums: str | None, scaled: bool):
+  refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
+  operand_gmem = refs.pop(0) if epilogue is not None else None
+  row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+  out_gmem = refs.pop(0)
+  sums_gmem = refs.pop(0) if column_sums else None
+  partial_gmem = refs   # the split tail's fp32 partials, if any
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
@@ -320,6 +342,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if scaled:   # scales_arrived[w]: warpgroup w's row scales; [2 + w]: its column scales
+    extra_smem.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
+                      col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
+                      scales_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=4))
   if sums_gmem is not None:   # sums_turn[w]: warpgroup w may reduce
     extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32),
                       sums_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
@@ -329,7 +355,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
-             sums_smem=None, sums_turn=None):
+             sums_smem=None, sums_turn=None, row_scale_smem=None, col_scale_smem=None,
+             scales_arrived=None):
     wg = lax.axis_index("wg")
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
@@ -358,8 +385,19 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           if epilogue is not None:   # its operand tile arrives while the MMAs run
             plgpu.copy_gmem_to_smem(operand_gmem.at[block_rows, block_cols].at[wg_rows, wg_cols],
                                     operand_smem.at[wg], operand_arrived.at[wg])
+          if scaled:
+            plgpu.copy_gmem_to_smem(row_scale_gmem.at[block_rows].at[wg_rows],
+                                    row_scale_smem.at[wg], scales_arrived.at[wg])
+            plgpu.copy_gmem_to_smem(col_scale_gmem.at[block_cols].at[wg_cols],
+                                    col_scale_smem.at[wg], scales_arrived.at[2 + wg])
           run_pipeline(acc_ref)
           acc = value = acc_ref[...]   # waits for the MMAs still in flight
+          if scaled:
+            plgpu.barrier_wait(scales_arrived.at[wg])
+            plgpu.barrier_wait(scales_arrived.at[2 + wg])
+            # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
+            acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
+                           * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
           if epilogue is not None:
             plgpu.barrier_wait(operand_arrived.at[wg])
             value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
