@@ -41,7 +41,8 @@ benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
-epilogue operand), the accumulator is multiplied by them before the epilogue:
+epilogue operand), the accumulator (a K-part's, in the last wave) is multiplied
+by them before the epilogue:
 what the TF32 products on the f16 engine need to unscale their power-of-two
 scaled operands, without a pass over the output.
 
@@ -257,7 +258,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     return outs[0], _sum_in_order(outs[1])
   if plan.splits == 1:
     return outs[0]
-  return _write_tail(outs[0], outs[1], plan, config.block, *scales)
+  return _write_tail(outs[0], outs[1], plan, config.block)
 
 
 def _sum_in_order(x, axis: int = 0):
@@ -268,13 +269,12 @@ def _sum_in_order(x, axis: int = 0):
   return total
 
 
-def _write_tail(out, partials, plan: Schedule, block, row_scale=None, col_scale=None):
-  """Sums each tail block's K-parts in order, scales them (with the scales) and writes them
-  into the output's last blocks."""
+def _write_tail(out, partials, plan: Schedule, block):
+  """Sums each tail block's K-parts in order and writes them into the output's last blocks."""
   (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
   m, n = out.shape
   parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
-  total = _sum_in_order(parts, axis=1)
+  total = _sum_in_order(parts, axis=1).astype(out.dtype)
   first_row, first_col = divmod(plan.whole, grid_n)
   pieces = []                          # (block row, block column, blocks) of each rectangle
   if first_col:
@@ -286,10 +286,7 @@ def _write_tail(out, partials, plan: Schedule, block, row_scale=None, col_scale=
     rows, cols = blocks.shape[0], blocks.shape[1]
     rect = blocks.transpose(0, 2, 1, 3).reshape(rows * block_m, cols * block_n)
     r0, c0 = row * block_m, col * block_n
-    rect = rect[:m - r0, :n - c0]
-    if row_scale is not None:
-      rect = rect * row_scale[r0:r0 + rect.shape[0], None] * col_scale[None, c0:c0 + rect.shape[1]]
-    out = lax.dynamic_update_slice(out, rect.astype(out.dtype), (r0, c0))
+    out = lax.dynamic_update_slice(out, rect[:m - r0, :n - c0], (r0, c0))
   return out
 
 
