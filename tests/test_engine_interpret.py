@@ -55,6 +55,21 @@ def gelu_grad64(x):
   return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x * x)
 
 
+def _exact_and_bound(a, b, gelu_operand, out_dtype, scale=1.0):
+  """The float64 value of the engine's output and the bound of its error (module docstring):
+  `(a @ b) * scale`, times gelu'(gelu_operand) when given, stored as `out_dtype`."""
+  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  k = a64.shape[1]
+  exact = (a64 @ b64) * scale
+  bound = k * U32 / (1 - k * U32) * (np.abs(a64) @ np.abs(b64)) * scale
+  if gelu_operand is not None:
+    g = gelu_grad64(np.asarray(gelu_operand, np.float64))
+    exact, bound = exact * g, bound * np.abs(g) + np.abs(exact) * (GELU_GRAD_ERROR + 2 * U32)
+  if out_dtype != jnp.float32:
+    bound = bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+  return exact, bound
+
+
 @pytest.mark.parametrize("case", [
     pytest.param(c, marks=pytest.mark.transcendental) if CASES[c][-1] is not None else c
     for c in CASES])   # the GELU epilogue's exp: under every CPU vector ISA in CI
@@ -72,14 +87,7 @@ def test_engine_in_interpret_mode_within_its_bound(case):
   out = engine.matmul(a, b, config=config, num_programs=programs, out_dtype=out_dtype,
                       interpret=interpret_params.InterpretGPUParams(), **extra)
   assert out.shape == (m, n) and out.dtype == out_dtype
-  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  exact, magnitude = a64 @ b64, np.abs(a64) @ np.abs(b64)
-  bound = k * U32 / (1 - k * U32) * magnitude
-  if operand_dtype is not None:
-    g = gelu_grad64(np.asarray(x, np.float64))
-    exact, bound = exact * g, bound * np.abs(g) + np.abs(exact) * (GELU_GRAD_ERROR + 2 * U32)
-  if out_dtype != jnp.float32:
-    bound = bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+  exact, bound = _exact_and_bound(a, b, extra.get("epilogue_operand"), out_dtype)
   error = np.abs(np.asarray(out, np.float64) - exact)
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
   plan = engine.schedule(m, n, k, config, programs)
@@ -141,12 +149,6 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound(case):
                       row_scale=row, col_scale=col,
                       interpret=interpret_params.InterpretGPUParams(), **extra)
   scale = np.asarray(row, np.float64)[:, None] * np.asarray(col, np.float64)[None, :]
-  a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  exact, bound = (a64 @ b64) * scale, k * U32 / (1 - k * U32) * (np.abs(a64) @ np.abs(b64)) * scale
-  if operand_dtype is not None:
-    g = gelu_grad64(np.asarray(x, np.float64))
-    exact, bound = exact * g, bound * np.abs(g) + np.abs(exact) * (GELU_GRAD_ERROR + 2 * U32)
-  if out_dtype != jnp.float32:
-    bound = bound * (1 + U_BF16) + U_BF16 * np.abs(exact)
+  exact, bound = _exact_and_bound(a, b, extra.get("epilogue_operand"), out_dtype, scale)
   error = np.abs(np.asarray(out, np.float64) - exact)
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
