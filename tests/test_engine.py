@@ -74,6 +74,13 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
                                        r"float32; expected \[M' <= 64, 64\]"):
     engine.matmul(a16, jax.ShapeDtypeStruct((128, 64), jnp.float16), epilogue=gelu,
                   epilogue_operand=jax.ShapeDtypeStruct((72, 64), jnp.float32))
+  b16 = jax.ShapeDtypeStruct((128, 64), jnp.float16)
+  with pytest.raises(ValueError, match="row_scale and col_scale together"):
+    engine.matmul(a16, b16, row_scale=jax.ShapeDtypeStruct((64,), jnp.float32))
+  with pytest.raises(ValueError, match=r"col_scale has shape \(32,\) and dtype float32; "
+                                       r"expected float32 \[64\]"):
+    engine.matmul(a16, b16, row_scale=jax.ShapeDtypeStruct((64,), jnp.float32),
+                  col_scale=jax.ShapeDtypeStruct((32,), jnp.float32))
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
 
@@ -178,12 +185,14 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
 
 
 @needs_lowering
-@pytest.mark.parametrize("m, k, n, config, epilogue_dtype", [
-    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6), None),
+@pytest.mark.parametrize("m, k, n, config, epilogue_dtype, scaled", [
+    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6), None, False),
     (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
-                                        epilogue_tile=(64, 32)), jnp.float32)])
+                                        epilogue_tile=(64, 32)), jnp.float32, False),
+    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
+                                        epilogue_tile=(64, 32)), jnp.float32, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
-                                                          epilogue_dtype):
+                                                          epilogue_dtype, scaled):
   """Where Mosaic's lowering counts shared memory itself (JAX 0.10.2 refuses a kernel over
   the limit), the engine's estimate is at most BARRIER_SLACK_BYTES below its count."""
   import re
@@ -194,6 +203,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
   def fn(a, b, x):
     extra = {} if epilogue_dtype is None else dict(epilogue=lambda acc, t: acc * t,
                                                    epilogue_operand=x)
+    if scaled:
+      extra.update(row_scale=x[:, 0], col_scale=x[0])
     return engine.matmul(a, b, config=config, num_programs=132, **extra)
 
   try:
@@ -204,5 +215,5 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
   else:
     pytest.skip("this JAX's Mosaic lowering does not count shared memory")
   estimate = engine.shared_memory_bytes(config, -(-k // config.tile_k), jnp.float16,
-                                        jnp.float32, False, epilogue_dtype)
+                                        jnp.float32, False, epilogue_dtype, scales=scaled)
   assert 0 <= counted - estimate <= engine.BARRIER_SLACK_BYTES, (counted, estimate)

@@ -41,10 +41,10 @@ benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
-epilogue operand), the accumulator (a K-part's, in the last wave) is multiplied
-by them before the epilogue:
-what the TF32 products on the f16 engine need to unscale their power-of-two
-scaled operands, without a pass over the output.
+epilogue operand), the accumulator (a K-part's, in the last wave) is
+multiplied by them before the epilogue: that is how the TF32 products on the
+f16 engine unscale their power-of-two scaled operands, without a pass over
+the output.
 
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
@@ -188,8 +188,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
   (`epilogue_operand` `[M', N]`, M' <= M: rows past it read as zeros, and rows past M
   add `epilogue(0, 0)` to the column sums). `row_scale` [M] and `col_scale` [N] (fp32,
-  given together) multiply the accumulator's rows and columns first. `column_sums="stored"` (of the values as
-  stored) or `"unrounded"` (of the fp32 values) also returns the fp32 sums over the rows,
+  given together) multiply the accumulator's rows and columns first.
+  `column_sums="stored"` (of the values as stored) or `"unrounded"` (of the fp32
+  values) also returns the fp32 sums over the rows,
   `(out, sums [N])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
   use the GPU's approximate instructions (ex2.approx, div.approx: within 2^-22
   relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
