@@ -33,7 +33,8 @@ def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate
 
 
 @needs_lowering
-@pytest.mark.parametrize("tokens", [1, 7, 129, 2500, 8192])
+# 7 and 2500: padded rows and ragged blocks; 8192: the tables' configs above S=4096.
+@pytest.mark.parametrize("tokens", [7, 2500, 8192])
 @pytest.mark.parametrize("dtype, mode", MODES, ids=lambda v: getattr(v, "name", str(v)))
 def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode):
   shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
