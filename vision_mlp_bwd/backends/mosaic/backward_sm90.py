@@ -123,11 +123,10 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
     op(a), b's per column), in fp32."""
-    a = pad(a)
-    rows = a.shape[1] if transpose_a else a.shape[0]
-    row_unscale = jnp.pad(1 / a_scale.reshape(-1), (0, rows - a_scale.size))   # 0: padding
-    out = engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
-                        row_scale=row_unscale, col_scale=1 / b_scale.reshape(-1), **epilogue)
+    row_unscale = _pad_rows(1 / a_scale.reshape(-1, 1), a_scale.size).reshape(-1)   # as op(a)
+    out = engine.matmul(pad(a), b, transpose_a=transpose_a, out_dtype=jnp.float32,
+                        config=config, row_scale=row_unscale, col_scale=1 / b_scale.reshape(-1),
+                        **epilogue)
     return out[:a_scale.size]
 
   grad_fc2_bias = jnp.sum(grad_output, axis=0)
