@@ -75,6 +75,8 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.matmul(a16, jax.ShapeDtypeStruct((128, 64), jnp.float16), epilogue=gelu,
                   epilogue_operand=jax.ShapeDtypeStruct((72, 64), jnp.float32))
   b16 = jax.ShapeDtypeStruct((128, 64), jnp.float16)
+  with pytest.raises(ValueError, match="line_maxima are an epilogue's"):
+    engine.matmul(a16, b16, line_maxima=True)
   with pytest.raises(ValueError, match="row_scale and col_scale together"):
     engine.matmul(a16, b16, row_scale=jax.ShapeDtypeStruct((64,), jnp.float32))
   with pytest.raises(ValueError, match=r"col_scale has shape \(32,\) and dtype float32; "
@@ -185,14 +187,16 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
 
 
 @needs_lowering
-@pytest.mark.parametrize("m, k, n, config, epilogue_dtype, scaled", [
-    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6), None, False),
+@pytest.mark.parametrize("m, k, n, config, epilogue_dtype, scaled, reduced", [
+    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6), None, False, False),
     (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
-                                        epilogue_tile=(64, 32)), jnp.float32, False),
+                                        epilogue_tile=(64, 32)), jnp.float32, False, False),
     (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
-                                        epilogue_tile=(64, 32)), jnp.float32, True)])
+                                        epilogue_tile=(64, 32)), jnp.float32, True, False),
+    (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
+                                        epilogue_tile=(64, 32)), jnp.float32, True, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
-                                                          epilogue_dtype, scaled):
+                                                          epilogue_dtype, scaled, reduced):
   """Where Mosaic's lowering counts shared memory itself (JAX 0.10.2 refuses a kernel over
   the limit), the engine's estimate is at most BARRIER_SLACK_BYTES below its count."""
   import re
@@ -205,6 +209,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
                                                    epilogue_operand=x)
     if scaled:
       extra.update(row_scale=x[:, 0], col_scale=x[0])
+    if reduced:   # column sums and line maxima
+      extra.update(column_sums="unrounded", line_maxima=True)
     return engine.matmul(a, b, config=config, num_programs=132, **extra)
 
   try:
@@ -215,5 +221,6 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
   else:
     pytest.skip("this JAX's Mosaic lowering does not count shared memory")
   estimate = engine.shared_memory_bytes(config, -(-k // config.tile_k), jnp.float16,
-                                        jnp.float32, False, epilogue_dtype, scales=scaled)
+                                        jnp.float32, False, epilogue_dtype, column_sums=reduced,
+                                        scales=scaled, line_maxima=reduced)
   assert 0 <= counted - estimate <= engine.BARRIER_SLACK_BYTES, (counted, estimate)

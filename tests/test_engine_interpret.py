@@ -101,17 +101,21 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(column_sums):
   """The fused epilogue's column sums, the two compute warpgroups taking turns: over 2 x 2
   blocks on 3 programs (so one program runs two blocks and one none). "unrounded" sums the
   fp32 values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
-  the bf16 values stored, within fp32 summation of M terms of the stored output itself."""
+  the bf16 values stored, within fp32 summation of M terms of the stored output itself.
+  With "unrounded", also the line maxima: the largest |fp32 value| of each column and row
+  is within the largest element bound of that line of the float64 maximum (a maximum moves
+  by at most its elements' largest error)."""
   m, k, n = 256, 128, 256
   keys = jax.random.split(jax.random.key(7 + len(column_sums)), 3)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
   x = jax.random.normal(keys[2], (m, n), jnp.bfloat16) * 3
-  out, sums = engine.matmul(a, b, config=C(tile_n=64, stages=2, epilogue_tile=(64, 64)),
-                            num_programs=3, out_dtype=jnp.bfloat16,
-                            epilogue=reference.gelu_backward, epilogue_operand=x,
-                            column_sums=column_sums,
-                            interpret=interpret_params.InterpretGPUParams())
+  maxima = column_sums == "unrounded"
+  out, sums, *line_max = engine.matmul(
+      a, b, config=C(tile_n=64, stages=2, epilogue_tile=(64, 64)), num_programs=3,
+      out_dtype=jnp.bfloat16, epilogue=reference.gelu_backward, epilogue_operand=x,
+      column_sums=column_sums, line_maxima=maxima,
+      interpret=interpret_params.InterpretGPUParams())
   assert sums.shape == (n,) and sums.dtype == jnp.float32
   gamma_m = m * U32 / (1 - m * U32)
   if column_sums == "stored":
@@ -125,6 +129,10 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(column_sums):
                      + np.abs(values) * (GELU_GRAD_ERROR + 2 * U32))
     exact = values.sum(0)
     bound = element_bound.sum(0) + gamma_m * (np.abs(values) + element_bound).sum(0)
+    for axis, found in enumerate(line_max):   # columns' maxima, then rows'
+      assert found.shape == (values.shape[1 - axis],) and found.dtype == jnp.float32
+      line_error = np.abs(np.asarray(found, np.float64) - np.abs(values).max(axis))
+      assert np.all(line_error <= element_bound.max(axis)), axis
   error = np.abs(np.asarray(sums, np.float64) - exact)
   assert np.all(error <= bound), float(np.nanmax(error / bound))
 

@@ -148,7 +148,8 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
-                epilogue_operand=None, column_sums=None, row_scale=None, col_scale=None, **_):
+                epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
+                col_scale=None, **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
@@ -159,9 +160,12 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
     rows = acc.shape[0] - epilogue_operand.shape[0]
     value = epilogue(acc, jnp.pad(epilogue_operand, ((0, rows), (0, 0))))
   out = value.astype(out_dtype)
+  extra = ()
   if column_sums:
-    return out, jnp.sum(value if column_sums == "unrounded" else out.astype(jnp.float32), 0)
-  return out
+    extra += (jnp.sum(value if column_sums == "unrounded" else out.astype(jnp.float32), 0),)
+  if line_maxima:
+    extra += (jnp.max(jnp.abs(value), 0), jnp.max(jnp.abs(value), 1))
+  return (out, *extra) if extra else out
 
 
 @pytest.mark.transcendental

@@ -233,7 +233,13 @@ def scaled_f16_along(x, reduce_axis: int):
   and the plain maximum of |x| lets XLA fuse |x| into the reduction (with NaN and Inf left
   out it wrote |x| to memory first: 96 us more at S=4096 on the H200, benchmarks/NOTES.md, 39).
   """
-  scale = f16_scale(jnp.max(jnp.abs(x), axis=reduce_axis, keepdims=True))
+  return scaled_f16_by_max(x, jnp.max(jnp.abs(x), axis=reduce_axis, keepdims=True))
+
+
+def scaled_f16_by_max(x, max_abs):
+  """(f16(x * s), s) with s = `f16_scale(max_abs)`, `max_abs` the largest |x| of each line
+  (broadcast against `x`, as `scaled_f16_along` computes it or a kernel returned it)."""
+  scale = f16_scale(max_abs)
   return scaled_f16_operand(x, scale), scale
 
 

@@ -19,9 +19,10 @@ index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
 the accumulator by the reciprocal scales. The pre-GELU product's epilogue
-then runs on unscaled values, as on 16-bit products; its output stays fp32,
-and its bias sum and the scaled operands of the two products after it are
-XLA's.
+then runs on unscaled values, as on 16-bit products; its output stays fp32.
+It also returns the bias gradient (the sums of its fp32 columns) and the
+largest |value| of each row and column, which give the scales of the two
+f16 copies of it that the products after it read (XLA casts them).
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows (which add nothing to any sum:
@@ -69,7 +70,10 @@ class Tables:
 
   def configs(self, problem: Problem) -> tuple[engine.GemmConfig, ...]:
     """The (pre-GELU, input gradient, weight gradients) products' configs for this problem."""
-    inputs = "sixteen_bit_inputs" if problem.dtype.itemsize == 2 else "fp32_inputs"
+    if problem.dtype.itemsize == 2:
+      inputs = "sixteen_bit_inputs"
+    else:
+      inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
     pick = lambda rows: next(c for bound, c in rows if bound is None or problem.tokens <= bound)
     return tuple(pick(table[inputs]) for table in (self.pre_gelu, self.rows, self.weight_grads))
 
@@ -122,12 +126,12 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
 
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
-    op(a), b's per column), in fp32."""
+    op(a), b's per column), in fp32; the engine's other outputs after it."""
     row_unscale = _pad_rows(1 / a_scale.reshape(-1, 1), a_scale.size).reshape(-1)   # as op(a)
     out = engine.matmul(pad(a), b, transpose_a=transpose_a, out_dtype=jnp.float32,
                         config=config, row_scale=row_unscale, col_scale=1 / b_scale.reshape(-1),
                         **epilogue)
-    return out[:a_scale.size]
+    return (out[0][:a_scale.size], *out[1:]) if epilogue else out[:a_scale.size]
 
   grad_fc2_bias = jnp.sum(grad_output, axis=0)
   dy_by_column, dy_column_scale = precision.scaled_f16_along(grad_output, 0)
@@ -136,16 +140,19 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
                             weight_config, transpose_a=True)
   dy_by_row, dy_row_scale = precision.scaled_f16_along(grad_output, 1)
   w2, w2_scale = precision.scaled_f16_along(fc2_weight, 0)
-  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them.
-  grad_pre = product(dy_by_row, dy_row_scale, w2, w2_scale, pre_config,
-                     epilogue=reference.gelu_backward, epilogue_operand=fc1_output,
-                     approx_math=True)
-  grad_fc1_bias = jnp.sum(grad_pre, axis=0)
-  pre_by_column, pre_column_scale = precision.scaled_f16_along(grad_pre, 0)
+  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them. The
+  # epilogue also sums the columns (the bias gradient) and finds the largest |value| of
+  # each column and row: the scales of the pre-GELU gradient's two f16 copies.
+  grad_pre, grad_fc1_bias, pre_column_max, pre_row_max = product(
+      dy_by_row, dy_row_scale, w2, w2_scale, pre_config, epilogue=reference.gelu_backward,
+      epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
+      approx_math=True)
+  pre_by_column, pre_column_scale = precision.scaled_f16_by_max(grad_pre, pre_column_max)
   x16, x_scale = precision.scaled_f16_along(hidden_state, 0)
   grad_fc1_weight = product(pre_by_column, pre_column_scale, pad(x16), x_scale, weight_config,
                             transpose_a=True)
-  pre_by_row, pre_row_scale = precision.scaled_f16_along(grad_pre, 1)
+  pre_by_row, pre_row_scale = precision.scaled_f16_by_max(grad_pre,
+                                                          pre_row_max[:tokens, None])
   w1, w1_scale = precision.scaled_f16_along(fc1_weight, 0)
   grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
   return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias

@@ -34,7 +34,10 @@ accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 product is not split along K (`fn` needs the whole sum). It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
-of a workspace, whose rows XLA adds in a fixed order. Pallas's Mosaic GPU
+of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
+also returns the largest |value| of every column and every row (the power-of-
+two scales of the TF32 products after it), from per-tile maxima in two more
+workspaces (maxima are exact in any order). Pallas's Mosaic GPU
 lowering gives every reduction across warps one shared-memory scratch
 buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
@@ -105,13 +108,15 @@ class GemmConfig:
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
+SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
                         split_tail: bool, epilogue_dtype=None, column_sums=False,
-                        scales=False) -> int:
-  """Shared memory one program allocates: the operand ring plus the epilogue buffers.
+                        scales=False, line_maxima=False) -> int:
+  """Shared memory one program allocates: the operand ring plus the epilogue buffers, each
+  buffer aligned to SMEM_ALIGNMENT_BYTES as Pallas places them.
 
   JAX 0.10.2's Mosaic lowering refuses a kernel over the limit, but with JAX
   0.11.2 on the H200 such a kernel was launched and faulted
@@ -119,20 +124,24 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
-  ring = min(config.stages, k_steps) * (block_m + block_n) * config.tile_k
-  ring *= jnp.dtype(dtype).itemsize
+  stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
+  buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
-  epilogue = 2 * slots * epi_m * epi_n * out_bytes
+  buffers.append(2 * slots * epi_m * epi_n * out_bytes)
   if split_tail and out_bytes != 4:   # the fp32 partials' own buffer, one per warpgroup
-    epilogue += 2 * epi_m * max(epi_n, 32) * 4
+    buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
-    epilogue += 2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize
-  if column_sums:                     # one row of sums per warpgroup, the reduction's scratch
-    epilogue += 2 * config.tile_n * 4 + REDUCTION_SCRATCH_BYTES
+    buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
+  if column_sums:                     # one row of sums per warpgroup
+    buffers.append(2 * config.tile_n * 4)
+  if line_maxima:                     # each warpgroup's column and row maxima
+    buffers += [2 * config.tile_n * 4, 2 * config.tile_m * 4]
   if scales:                          # each warpgroup's row and column scales
-    epilogue += 2 * (config.tile_m + config.tile_n) * 4
-  return ring + epilogue
+    buffers += [2 * config.tile_m * 4, 2 * config.tile_n * 4]
+  if column_sums or line_maxima:      # the reductions' scratch (one at a time)
+    buffers.append(REDUCTION_SCRATCH_BYTES)
+  return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +191,8 @@ def num_sms() -> int:
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
-           row_scale=None, col_scale=None, approx_math: bool = False, interpret=None):
+           line_maxima: bool = False, row_scale=None, col_scale=None,
+           approx_math: bool = False, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -190,8 +200,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   add `epilogue(0, 0)` to the column sums). `row_scale` [M] and `col_scale` [N] (fp32,
   given together) multiply the accumulator's rows and columns first.
   `column_sums="stored"` (of the values as stored) or `"unrounded"` (of the fp32
-  values) also returns the fp32 sums over the rows,
-  `(out, sums [N])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
+  values) also returns the fp32 sums over the rows, `(out, sums [N])`; `line_maxima`
+  the largest |value| (fp32, NaN if any is) of each column and row after them,
+  `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
   use the GPU's approximate instructions (ex2.approx, div.approx: within 2^-22
   relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
   the kernel on a CPU, unwritten output elements NaN: the tests')."""
@@ -215,6 +226,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if column_sums not in COLUMN_SUMS or (column_sums and epilogue is None):
     raise ValueError(f"matmul: column_sums={column_sums!r}; it takes one of {COLUMN_SUMS}, "
                      "and sums only with an epilogue.")
+  if line_maxima and epilogue is None:
+    raise ValueError("matmul: line_maxima are an epilogue's; pass epilogue and "
+                     "epilogue_operand too.")
   if (row_scale is None) != (col_scale is None):
     raise ValueError("matmul takes row_scale and col_scale together.")
   if row_scale is not None:
@@ -231,7 +245,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None, row_scale is not None)
+                             column_sums is not None, row_scale is not None, line_maxima)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
@@ -240,11 +254,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   block_m, block_n = config.block
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
-                             epilogue=epilogue, column_sums=column_sums, scaled=bool(scales))
+                             epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
+                             line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
   sum_rows = plan.grid_mn[0] * block_m // config.tile_m
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
+  if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
+    max_rows = plan.grid_mn[1] * block_n // config.tile_n
+    out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
+                  jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
@@ -255,8 +274,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
-  if column_sums:
-    return outs[0], _sum_in_order(outs[1])
+  if column_sums or line_maxima:
+    reduced = list(outs[1:])
+    sums = (_sum_in_order(reduced.pop(0)),) if column_sums else ()
+    maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
+    return (outs[0], *sums, *maxima)
   if plan.splits == 1:
     return outs[0]
   return _write_tail(outs[0], outs[1], plan, config.block)
@@ -292,12 +314,14 @@ def _write_tail(out, partials, plan: Schedule, block):
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
-            epilogue: Callable | None, column_sums: str | None, scaled: bool):
+            epilogue: Callable | None, column_sums: str | None, scaled: bool,
+            line_maxima: bool):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
   out_gmem = refs.pop(0)
   sums_gmem = refs.pop(0) if column_sums else None
+  col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
   partial_gmem = refs   # the split tail's fp32 partials, if any
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -344,9 +368,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     extra_smem.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
                       col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
                       scales_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=4))
-  if sums_gmem is not None:   # sums_turn[w]: warpgroup w may reduce
-    extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32),
-                      sums_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  reduces_columns = column_sums is not None or line_maxima
+  if sums_gmem is not None:
+    extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32))
+  if line_maxima:
+    extra_smem.update(col_max_smem=plgpu.SMEM((2, tile_n), jnp.float32),
+                      row_max_smem=plgpu.SMEM((2, tile_m), jnp.float32))
+  if reduces_columns:   # sums_turn[w]: warpgroup w may reduce across its warps
+    extra_smem.update(sums_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
   @functools.partial(
       pl.run_scoped,
@@ -354,13 +383,13 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, sums_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None):
+             scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
     else:
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
-    if sums_gmem is not None:
+    if reduces_columns:
       @pl.when(wg == 1)
       def _first_turn():   # warpgroup 0 reduces first
         plgpu.barrier_arrive(sums_turn.at[0])
@@ -401,15 +430,27 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
             value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
           acc = value.astype(smem.dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
-          if sums_gmem is not None:
-            summed = value if column_sums == "unrounded" else acc.astype(jnp.float32)
-            plgpu.barrier_wait(sums_turn.at[wg])
-            sums = jnp.sum(summed, axis=0)
-            plgpu.barrier_arrive(sums_turn.at[1 - wg])
-            sums_smem[wg] = sums
-            plgpu.commit_smem()
+          if reduces_columns:
             sum_row = row0 // tile_m + (wg if config.split == "m" else 0)
-            plgpu.copy_smem_to_gmem(sums_smem.at[wg], sums_gmem.at[sum_row, block_cols].at[wg_cols])
+            max_row = col0 // tile_n + (wg if config.split == "n" else 0)
+            plgpu.barrier_wait(sums_turn.at[wg])
+            if sums_gmem is not None:
+              sums_smem[wg] = jnp.sum(
+                  value if column_sums == "unrounded" else acc.astype(jnp.float32), axis=0)
+            if line_maxima:
+              magnitude = jnp.abs(value)
+              col_max_smem[wg] = jnp.max(magnitude, axis=0)
+            plgpu.barrier_arrive(sums_turn.at[1 - wg])
+            if line_maxima:
+              row_max_smem[wg] = jnp.max(magnitude, axis=1)   # within warps: no turn
+            plgpu.commit_smem()
+            for smem_row, gmem in ((sums_smem, sums_gmem), (col_max_smem, col_max_gmem)):
+              if gmem is not None:
+                plgpu.copy_smem_to_gmem(smem_row.at[wg],
+                                        gmem.at[sum_row, block_cols].at[wg_cols])
+            if line_maxima:
+              plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
+                                      row_max_gmem.at[max_row, block_rows].at[wg_rows])
           out = dest.at[wg_rows, wg_cols]
           buffers, piece_n = smem.shape[1], smem.shape[-1]
           for pm in range(tile_m // epi_m):
@@ -455,7 +496,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         bm, bn = divmod(plan.whole + index // plan.splits, grid_n)
         run_block(bm, bn, (index % plan.splits) * plan.steps_per_split, plan.steps_per_split,
                   partial_index=index)
-    if sums_gmem is not None:
+    if reduces_columns:
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
         plgpu.barrier_wait(sums_turn.at[0])
