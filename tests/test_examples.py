@@ -24,21 +24,15 @@ def _train_vit(*args):
 
 
 @pytest.mark.slow
-def test_train_vit_fast_reaches_90_percent(tmp_path):
-  result = _train_vit("--fast", "--out", str(tmp_path))
-  assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-  assert _accuracy(result.stdout) >= 0.9
+def test_train_vit_fast_reaches_90_percent_and_exits_by_min_accuracy(tmp_path):
+  """One `--fast` run: >= 90%, its loss curve, and the exit status `--min-accuracy` asks
+  for (0.999: above what 600 steps reach, so the non-zero exit runs too)."""
+  result = _train_vit("--fast", "--out", str(tmp_path), "--min-accuracy", "0.999")
+  accuracy = _accuracy(result.stdout)
+  assert result.returncode == (0 if accuracy >= 0.999 else 1), (
+      result.stdout[-2000:] + result.stderr[-3000:])
+  assert accuracy >= 0.9
   assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
-
-
-@pytest.mark.slow
-def test_train_vit_exits_non_zero_below_min_accuracy(tmp_path, monkeypatch, capsys):
-  monkeypatch.syspath_prepend(str(EXAMPLES))
-  import train_vit
-
-  assert train_vit.main(["--fast", "--steps", "2", "--min-accuracy", "0.99",
-                         "--out", str(tmp_path)]) == 1
-  assert _accuracy(capsys.readouterr().out) < 0.99
 
 
 def _stdout(nb) -> str:

@@ -107,8 +107,7 @@ def _backward_on_f16(inputs, pre_block_m=16, sum_splits_in_kernel=False, cast_in
 # blocks of rows (its row maxima, column sums and f16 copy); cast_inputs: the
 # pre-activation product takes grad_output cast by rows, or converts it itself.
 @pytest.mark.parametrize("tokens,pre_block_m,in_kernel,cast_inputs", [
-    (1, 16, False, False), (7, 64, False, True), (37, 16, True, False), (37, 64, True, True),
-    (131, 16, False, True)])
+    (1, 16, False, False), (37, 64, True, True), (131, 16, False, True)])
 def test_backward_on_f16_computes_tf32_products(tokens, pre_block_m, in_kernel, cast_inputs):
   inputs = helpers.backward_inputs(tokens, 40, 72)
   ours = _backward_on_f16(inputs, pre_block_m, in_kernel, cast_inputs)
@@ -130,12 +129,12 @@ def test_backward_on_f16_scales_operands_far_outside_f16s_range(whole):
     else:
       inputs[index] = inputs[index].at[:, 3].multiply(2.0 ** exponent)
   inputs[7] = inputs[7].at[:, 5].multiply(2.0 ** -50)
-  for pre_block_m in (16, 64):
-    ours = _backward_on_f16(inputs, pre_block_m, cast_inputs=pre_block_m == 64)
-    check_tf32_products(ours, inputs, f"block_m {pre_block_m}")
+  pre_block_m = 16 if whole else 64   # one block of rows, or several with their own maxima
+  ours = _backward_on_f16(inputs, pre_block_m, cast_inputs=not whole)
+  check_tf32_products(ours, inputs, f"block_m {pre_block_m}")
 
 
-@pytest.mark.parametrize("pre_block_m", [16, 64])
+@pytest.mark.parametrize("pre_block_m", [16])
 def test_backward_on_f16_propagates_nan_and_inf_like_the_reference(pre_block_m):
   inputs = list(helpers.backward_inputs(20, 32, 48))
   inputs[0] = inputs[0].at[3, 5].set(jnp.nan)
@@ -152,7 +151,7 @@ def test_backward_on_f16_propagates_nan_and_inf_like_the_reference(pre_block_m):
 # S = 37 = 32 + 5: the pre-activation and input-gradient tiles of one block of
 # rows with a 16-row tail; with scaled inputs the speculated weight scales
 # miss, so the redo path runs with the tails too.
-@pytest.mark.parametrize("in_kernel,far", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("in_kernel,far", [(True, False), (False, True)])
 def test_backward_on_f16_with_tail_tiles(in_kernel, far):
   inputs = list(helpers.backward_inputs(37, 40, 72))
   if far:
