@@ -1,0 +1,87 @@
+"""`python -m benchmarks.backward_configs`: one Mosaic table entry's variants, in the whole backward.
+
+An engine config measured alone (`benchmarks/engine.py`) misses what its
+product shares with the rest of the backward (the fused epilogue's reductions,
+the L2). This replaces one product's config of one table
+(`backends/mosaic/configs/h200.json`) by each variant, times the whole
+backward on the seed-distribution inputs with CUPTI and a cold L2, and checks
+that every variant's five gradients are bitwise those of the first (a config
+changes how the work is scheduled, never the arithmetic). Writes
+`backward_configs_<device>_<date>.json` into --out.
+
+  python -m benchmarks.backward_configs --table tf32_on_f16 --product pre_gelu \\
+      --variants '{}' '{"stages": 3, "epilogue_buffers": 2}' '{"mma_in_flight": 0}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import cases, timing
+from benchmarks.run import result_stem, todays_runs_dir
+from vision_mlp_bwd import precision as precisions
+from vision_mlp_bwd.backends.mosaic import backward_sm90
+from vision_mlp_bwd.problem import Problem
+
+INPUTS = {"tf32_on_f16": (jnp.float32, None),
+          "fp32_inputs": (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32),
+          "sixteen_bit_inputs": (jnp.bfloat16, None)}
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.backward_configs",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--table", choices=tuple(INPUTS), required=True)
+  parser.add_argument("--product", choices=("pre_gelu", "rows", "weight_grads"), required=True)
+  parser.add_argument("--variants", nargs="+", required=True,
+                      help="JSON objects of GemmConfig fields over the table's config at each S")
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--out", default=todays_runs_dir())
+  args = parser.parse_args(argv)
+
+  tables = backward_sm90.TABLES
+  dtype, precision = INPUTS[args.table]
+  rows = []
+  for tokens in args.seq_lens:
+    inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens))
+    mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
+    problem = Problem(tokens, inputs[1].shape[1], inputs[2].shape[0], jnp.dtype(dtype), mode)
+    entries = getattr(tables, args.product)
+    table_rows = entries[args.table]
+    first = None
+    for text in args.variants:
+      fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()}
+      varied = tuple((bound, dataclasses.replace(config, **fields)) for bound, config in table_rows)
+      replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
+      fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(*a, problem=problem, tables=t))
+      try:
+        out = jax.block_until_ready(fn(*inputs))
+      except ValueError as refused:   # e.g. over the shared memory of a block
+        print(f"S={tokens} {text}: {refused}", flush=True)
+        continue
+      same = first is None or all(bool(jnp.array_equal(a, b, equal_nan=True))
+                                  for a, b in zip(out, first))
+      first = out if first is None else first
+      t = timing.device_times_us(fn, *inputs, warmup=3, iterations=args.iterations)
+      rows.append(dict(seq_len=tokens, variant=json.loads(text), median_us=t.median_us,
+                       kernels=list(zip(t.kernel_names, t.kernel_median_us)),
+                       bitwise_same_as_first=same))
+      print(f"S={tokens:6d} {text:50s} {t.median_us:8.1f} us  largest kernel "
+            f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
+  stem, date = result_stem(args.out, "backward_configs")
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
+                   commit=os.environ.get("GIT_COMMIT", "unknown"), table=args.table,
+                   product=args.product, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
