@@ -3,13 +3,14 @@ oracles (the timings themselves are GPU facts; on a CPU the scripts run as demos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import input_dtypes, precision_errors, training_step
+from benchmarks import backward_configs, input_dtypes, precision_errors, timing, training_step
 from tests import bounds, helpers
 
 
@@ -54,3 +55,31 @@ def test_input_dtypes_table_has_every_column(tmp_path):
   assert bounds.mode_for(None, jnp.bfloat16).operand_dtype == jnp.bfloat16
   runnable = [c[0] for c in input_dtypes.COLUMNS if input_dtypes._runs(c, 16, 40)]
   assert runnable and not any("mosaic" in label for label in runnable)   # Hopper only
+
+
+def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkeypatch):
+  """On a CPU, with jnp stand-ins for the engine (tests/test_mosaic_backend.py) and wall
+  clocks: each variant reaches the engine as the config of that product only, and the file
+  records it with the bitwise comparison against the first."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from tests.test_mosaic_backend import _jnp_engine
+  seen = []
+
+  def engine(a, b, *, config, **kw):
+    seen.append((kw.get("epilogue") is not None, config))
+    return _jnp_engine(a, b, **kw)
+
+  monkeypatch.setattr(backward_sm90.engine, "matmul", engine)
+  monkeypatch.setattr(timing, "device_times_us", timing.wall_times_us)
+  backward_configs.main(["--table", "tf32_on_f16", "--product", "pre_gelu", "--seq-lens", "8",
+                         "--iterations", "1", "--variants", "{}", '{"stages": 3}',
+                         "--out", str(tmp_path)])
+  [record] = list(tmp_path.glob("backward_configs_*.json"))
+  rows = json.loads(record.read_text())["rows"]
+  assert [(r["seq_len"], r["variant"], r["bitwise_same_as_first"]) for r in rows] == [
+      (8, {}, True), (8, {"stages": 3}, True)]
+  table = backward_sm90.TABLES.pre_gelu["tf32_on_f16"][0][1]
+  first, second = seen[:len(seen) // 2], seen[len(seen) // 2:]   # one trace per variant
+  assert [config for fused, config in first if fused] == [table]
+  assert [config for fused, config in second if fused] == [dataclasses.replace(table, stages=3)]
+  assert [c for fused, c in first if not fused] == [c for fused, c in second if not fused]

@@ -202,9 +202,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   `column_sums="stored"` (of the values as stored) or `"unrounded"` (of the fp32
   values) also returns the fp32 sums over the rows, `(out, sums [N])`; `line_maxima`
   the largest |value| (fp32, NaN if any is) of each column and row after them,
-  `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and division in the kernel (the epilogue's)
-  use the GPU's approximate instructions (ex2.approx, div.approx: within 2^-22
-  relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
+  `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and
+  division in the kernel (the epilogue's) use the GPU's approximate instructions
+  (ex2.approx, div.approx: within 2^-22 relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
   the kernel on a CPU, unwritten output elements NaN: the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
@@ -374,15 +374,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if line_maxima:
     extra_smem.update(col_max_smem=plgpu.SMEM((2, tile_n), jnp.float32),
                       row_max_smem=plgpu.SMEM((2, tile_m), jnp.float32))
-  if reduces_columns:   # sums_turn[w]: warpgroup w may reduce across its warps
-    extra_smem.update(sums_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if reduces_columns:   # reduction_turn[w]: warpgroup w may reduce across its warps
+    extra_smem.update(reduction_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
-             sums_smem=None, sums_turn=None, row_scale_smem=None, col_scale_smem=None,
+             sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
              scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
     if config.split == "m":
@@ -392,7 +392,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     if reduces_columns:
       @pl.when(wg == 1)
       def _first_turn():   # warpgroup 0 reduces first
-        plgpu.barrier_arrive(sums_turn.at[0])
+        plgpu.barrier_arrive(reduction_turn.at[0])
 
     def run_block(bm, bn, k_first_step, steps, partial_index=None):
       """Accumulates block (bm, bn) over `steps` contraction steps; stores it to the output
@@ -433,14 +433,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           if reduces_columns:
             sum_row = row0 // tile_m + (wg if config.split == "m" else 0)
             max_row = col0 // tile_n + (wg if config.split == "n" else 0)
-            plgpu.barrier_wait(sums_turn.at[wg])
+            plgpu.barrier_wait(reduction_turn.at[wg])
             if sums_gmem is not None:
               sums_smem[wg] = jnp.sum(
                   value if column_sums == "unrounded" else acc.astype(jnp.float32), axis=0)
             if line_maxima:
               magnitude = jnp.abs(value)
               col_max_smem[wg] = jnp.max(magnitude, axis=0)
-            plgpu.barrier_arrive(sums_turn.at[1 - wg])
+            plgpu.barrier_arrive(reduction_turn.at[1 - wg])
             if line_maxima:
               row_max_smem[wg] = jnp.max(magnitude, axis=1)   # within warps: no turn
             plgpu.commit_smem()
@@ -499,6 +499,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     if reduces_columns:
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
-        plgpu.barrier_wait(sums_turn.at[0])
+        plgpu.barrier_wait(reduction_turn.at[0])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
