@@ -44,14 +44,18 @@ def main(argv=None):
                       help="JSON objects of GemmConfig fields over the table's config at each S")
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--size", default=f"{cases.HIDDEN}x{cases.INTERMEDIATE}",
+                      help="HxI (multiples of 64)")
   parser.add_argument("--out", default=todays_runs_dir())
   args = parser.parse_args(argv)
 
   tables = backward_sm90.TABLES
   dtype, precision = INPUTS[args.table]
+  hidden, intermediate = (int(v) for v in args.size.split("x"))
   rows = []
   for tokens in args.seq_lens:
-    inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens))
+    inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens,
+                                                              hidden, intermediate))
     mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
     problem = Problem(tokens, inputs[1].shape[1], inputs[2].shape[0], jnp.dtype(dtype), mode)
     entries = getattr(tables, args.product)

@@ -70,9 +70,10 @@ def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkey
     return _jnp_engine(a, b, **kw)
 
   monkeypatch.setattr(backward_sm90.engine, "matmul", engine)
-  monkeypatch.setattr(timing, "device_times_us", timing.wall_times_us)
+  monkeypatch.setattr(timing, "device_times_us",
+                      lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
   backward_configs.main(["--table", "tf32_on_f16", "--product", "pre_gelu", "--seq-lens", "8",
-                         "--iterations", "1", "--variants", "{}", '{"stages": 3}',
+                         "--size", "64x128", "--iterations", "1", "--variants", "{}", '{"stages": 3}',
                          "--out", str(tmp_path)])
   [record] = list(tmp_path.glob("backward_configs_*.json"))
   rows = json.loads(record.read_text())["rows"]

@@ -32,10 +32,17 @@ def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate
   return Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
 
 
+# Every input and mode at S=2500 (ragged blocks); S=7 (padded rows) and 8192 (the tables'
+# configs above S=4096) once per table: fp32_inputs, sixteen_bit_inputs, tf32_on_f16.
+TABLE_MODES = [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16),
+               (jnp.float32, DotMode.TF32)]
+LOWERING_CASES = [*((2500, *m) for m in MODES),
+                  *((tokens, *m) for tokens in (7, 8192) for m in TABLE_MODES)]
+
+
 @needs_lowering
-# 7 and 2500: padded rows and ragged blocks; 8192: the tables' configs above S=4096.
-@pytest.mark.parametrize("tokens", [7, 2500, 8192])
-@pytest.mark.parametrize("dtype, mode", MODES, ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("tokens, dtype, mode", LOWERING_CASES,
+                         ids=lambda v: getattr(v, "name", str(v)))
 def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode):
   shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
   args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
