@@ -51,34 +51,35 @@ def main(argv=None):
 
   tables = backward_sm90.TABLES
   dtype, precision = INPUTS[args.table]
+  mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   hidden, intermediate = (int(v) for v in args.size.split("x"))
+  entries = getattr(tables, args.product)
+  table_rows = tables.rows_for(entries, args.table)
+  variants = [json.loads(text) for text in args.variants]
   rows = []
   for tokens in args.seq_lens:
     inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens,
                                                               hidden, intermediate))
-    mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
-    problem = Problem(tokens, inputs[1].shape[1], inputs[2].shape[0], jnp.dtype(dtype), mode)
-    entries = getattr(tables, args.product)
-    table_rows = entries[args.table]
+    problem = Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
     first = None
-    for text in args.variants:
-      fields = {k: tuple(v) if isinstance(v, list) else v for k, v in json.loads(text).items()}
+    for variant in variants:
+      fields = {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
       varied = tuple((bound, dataclasses.replace(config, **fields)) for bound, config in table_rows)
       replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(*a, problem=problem, tables=t))
       try:
         out = jax.block_until_ready(fn(*inputs))
       except ValueError as refused:   # e.g. over the shared memory of a block
-        print(f"S={tokens} {text}: {refused}", flush=True)
+        print(f"S={tokens} {variant}: {refused}", flush=True)
         continue
       same = first is None or all(bool(jnp.array_equal(a, b, equal_nan=True))
                                   for a, b in zip(out, first))
       first = out if first is None else first
       t = timing.device_times_us(fn, *inputs, warmup=3, iterations=args.iterations)
-      rows.append(dict(seq_len=tokens, variant=json.loads(text), median_us=t.median_us,
+      rows.append(dict(seq_len=tokens, variant=variant, median_us=t.median_us,
                        kernels=list(zip(t.kernel_names, t.kernel_median_us)),
                        bitwise_same_as_first=same))
-      print(f"S={tokens:6d} {text:50s} {t.median_us:8.1f} us  largest kernel "
+      print(f"S={tokens:6d} {json.dumps(variant):50s} {t.median_us:8.1f} us  largest kernel "
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   stem, date = result_stem(args.out, "backward_configs")
   with open(stem + ".json", "w") as f:

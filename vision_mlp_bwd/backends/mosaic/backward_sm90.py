@@ -65,8 +65,14 @@ class Tables:
         k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
         for bound, fields in rows)
     tables = document["tables"]
-    return cls(*({name: parse(t[product]) for name, t in tables.items()}
+    return cls(*({name: parse(t[product]) for name, t in tables.items() if product in t}
                   for product in ("pre_gelu", "rows", "weight_grads")), document["routing"])
+
+  @staticmethod
+  def rows_for(table, inputs: str):
+    """A product's rows for these inputs; 'tf32_on_f16' lists only where it differs from
+    'fp32_inputs'."""
+    return table.get(inputs) or table["fp32_inputs"]
 
   def configs(self, problem: Problem) -> tuple[engine.GemmConfig, ...]:
     """The (pre-GELU, input gradient, weight gradients) products' configs for this problem."""
@@ -75,7 +81,8 @@ class Tables:
     else:
       inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
     pick = lambda rows: next(c for bound, c in rows if bound is None or problem.tokens <= bound)
-    return tuple(pick(table[inputs]) for table in (self.pre_gelu, self.rows, self.weight_grads))
+    return tuple(pick(self.rows_for(table, inputs))
+                 for table in (self.pre_gelu, self.rows, self.weight_grads))
 
 
 TABLES = Tables.load()
