@@ -34,30 +34,31 @@ PRODUCTS = {
     "grad_pre @ fc1_weight": (lambda s, h, i: (s, i, h), False),
     "grad_pre.T @ hidden_state": (lambda s, h, i: (i, s, h), True),
 }
-CONFIGS = {   # block (rows x columns), contraction step, stages, snake band width, ...
-    "128x256 k64 st3 w8 minor-m": C(stages=3, grid_minor="m"),
-    "128x128 k64 st5 w8": C(tile_n=64, stages=5),
-    "128x128 k64 st6 w8 f1 e64x32": C(tile_n=64, stages=6, mma_in_flight=1,
-                                      epilogue_tile=(64, 32)),
-    # ... and "tN": the last wave's blocks split along K into up to N parts.
-    "128x256 k64 st3 w8 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
-    "256x128 k64 st3 w8 t16": C(stages=3, split="m", tail_splits=16),
-    "128x128 k64 st5 w8 t16": C(tile_n=64, stages=5, tail_splits=16),
-    "128x128 k64 st6 w8 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
-                                          epilogue_tile=(64, 32), tail_splits=16),
-    "128x128 k64 st6 w16 f1 e64x32 t16": C(tile_n=64, stages=6, grid_tile_width=16,
-                                           mma_in_flight=1, epilogue_tile=(64, 32),
-                                           tail_splits=16),
-    "128x256 k64 st4 w8 f1 e64x32 t16": C(stages=4, mma_in_flight=1, epilogue_tile=(64, 32),
-                                          tail_splits=16),
-    "128x256 k64 st4 w8 minor-m f1 e64x32 t16": C(stages=4, grid_minor="m", mma_in_flight=1,
-                                                  epilogue_tile=(64, 32), tail_splits=16),
-    "256x128 k64 st4 w8 f1 e64x32 t16": C(stages=4, split="m", mma_in_flight=1,
-                                          epilogue_tile=(64, 32), tail_splits=16),
-    # ... "64x128 warpgroups": the block's two warpgroup tiles stacked along M ...
-    "128x128 k64 st6 w8 f1 e64x32 t16 64x128 warpgroups": C(
-        tile_m=64, tile_n=128, split="m", stages=6, mma_in_flight=1, epilogue_tile=(64, 32),
+CONFIGS = {   # block (rows x columns), contraction step, stages, ...; "fN": N wgmma groups
+    # left in flight; "eRxC": epilogue pieces; "tN": the last wave's blocks split along K
+    # into up to N parts; "bN": N epilogue pieces in flight per warpgroup.
+    # The tables' cooperative configs (two warpgroups share each block):
+    "128x128 k64 st6 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
+                                       epilogue_tile=(64, 32), tail_splits=16),
+    "128x128 k64 st5 f1 e64x64 t16": C(tile_n=64, stages=5, mma_in_flight=1,
+                                       epilogue_tile=(64, 64), tail_splits=16),
+    "128x256 k64 st3 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
+    # Ping-pong (each warpgroup takes whole blocks in turn, a ring of stages each):
+    "pingpong 128x128 k64 st3 f1 e64x32 b1 t16": C(
+        warpgroups="pingpong", stages=3, mma_in_flight=1, epilogue_tile=(64, 32),
+        epilogue_buffers=1, tail_splits=16),
+    "pingpong 128x128 k64 st3 f0 e64x32 b1 t16": C(
+        warpgroups="pingpong", stages=3, epilogue_tile=(64, 32), epilogue_buffers=1,
         tail_splits=16),
+    "pingpong 128x128 k64 st2 f1 e64x32 t16": C(
+        warpgroups="pingpong", stages=2, mma_in_flight=1, epilogue_tile=(64, 32),
+        tail_splits=16),
+    "pingpong 128x64 k64 st4 f1 e64x32 b1 t16": C(
+        warpgroups="pingpong", tile_n=64, stages=4, mma_in_flight=1, epilogue_tile=(64, 32),
+        epilogue_buffers=1, tail_splits=16),
+    "pingpong 64x256 k64 st2 f1 e64x32 b1 t16": C(
+        warpgroups="pingpong", tile_m=64, tile_n=256, stages=2, mma_in_flight=1,
+        epilogue_tile=(64, 32), epilogue_buffers=1, tail_splits=16),
 }
 
 

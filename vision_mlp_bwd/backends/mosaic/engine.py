@@ -90,16 +90,24 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
+  # "cooperative": the two compute warpgroups share each block (its two tiles, `split`);
+  # "pingpong": each takes whole tile-sized blocks in turn, one's epilogue under the
+  # other's MMAs, each with its own ring of `stages` (see `_pingpong`).
+  warpgroups: str = "cooperative"
 
   @property
   def block(self) -> tuple[int, int]:
     """(rows, columns) of the output block one program computes at a time."""
+    if self.warpgroups == "pingpong":
+      return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
+    if self.warpgroups not in ("cooperative", "pingpong"):
+      raise ValueError(f"GemmConfig.warpgroups takes 'cooperative' or 'pingpong': {self}")
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
@@ -109,6 +117,8 @@ SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
+MEMORY_REGISTERS = 40              # per thread of the TMA warpgroup ...
+COMPUTE_REGISTERS = 232            # ... and of each compute one: 64K in all
 COLUMN_SUMS = (None, "stored", "unrounded")
 
 
@@ -124,7 +134,10 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
-  stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
+  if config.warpgroups == "pingpong":   # a ring per warpgroup, kept across blocks
+    stages = 2 * config.stages * config.tile_k * jnp.dtype(dtype).itemsize
+  else:   # one ring, shrunk to the step count
+    stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
   buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
@@ -213,7 +226,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if b.shape[0] != k:
     raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
-  if transpose_a and config.split == "m":
+  if transpose_a and config.split == "m" and config.warpgroups == "cooperative":
     raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
                      "use split='n'.")
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
@@ -330,27 +343,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(config.epilogue_buffers, pieces)
+  pingpong = config.warpgroups == "pingpong"
 
-  # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
-  delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
-  a_spec = (plgpu.BlockSpec((tile_k, block_m), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                            delay_release=delay)
-            if transpose_a else
-            plgpu.BlockSpec((block_m, tile_k), lambda kk: (0, kk), transforms=swizzled_tiles(dtype),
-                            delay_release=delay))
-  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0), transforms=swizzled_tiles(dtype),
-                           delay_release=delay)
-
-  def pipeline(body, compute_context, steps):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
-        compute_context=compute_context)
-
-  ignore = lambda *_, **__: None
   partial_dtype = jnp.float32
   separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
-
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
   # of a 16-bit product get one buffer each, at least 32 columns wide (a
   # 128-byte swizzle), so the two epilogues fit beside the operand ring.
@@ -377,91 +373,150 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if reduces_columns:   # reduction_turn[w]: warpgroup w may reduce across its warps
     extra_smem.update(reduction_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
+  stages = config.stages
+  a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
+  if pingpong:   # a ring of operand tiles per warpgroup; loaded: both tiles, by TMA
+    operand_ring = dict(
+        a_ring=plgpu.SMEM((2, stages, *a_tile), dtype, transforms=swizzled_tiles(dtype)),
+        b_ring=plgpu.SMEM((2, stages, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
+        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
+        released=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
+  else:
+    # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
+    delay = config.mma_in_flight if min(stages, plan.k_steps) > config.mma_in_flight else 0
+    a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
+                             transforms=swizzled_tiles(dtype), delay_release=delay)
+    b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
+                             transforms=swizzled_tiles(dtype), delay_release=delay)
+
+    def pipeline(body, compute_context, steps):
+      return plgpu.emit_pipeline_warp_specialized(
+          body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=[a_spec, b_spec],
+          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+          compute_context=compute_context)
+
+    ignore = lambda *_, **__: None
+    operand_ring = dict(
+        allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem))
+
   @functools.partial(
-      pl.run_scoped,
-      allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
-      out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
-  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
-             sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None):
+      pl.run_scoped, out_smem=epilogue_smem(out_dtype, slots, epi_n), **operand_ring,
+      **extra_smem, collective_axes="wg")
+  def _scope(out_smem, allocations=None, a_ring=None, b_ring=None, loaded=None, released=None,
+             partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
+             reduction_turn=None, row_scale_smem=None, col_scale_smem=None, scales_arrived=None,
+             col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
-    if config.split == "m":
-      wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
-    else:
-      wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+
+    def start_tile(row0, col0):
+      """Starts the TMA copies of what warpgroup `wg`'s epilogue reads for its tile at
+      (row0, col0): they arrive while the MMAs run."""
+      rows, cols = pl.ds(row0, tile_m), pl.ds(col0, tile_n)
+      if epilogue is not None:
+        plgpu.copy_gmem_to_smem(operand_gmem.at[rows, cols], operand_smem.at[wg],
+                                operand_arrived.at[wg])
+      if scaled:
+        plgpu.copy_gmem_to_smem(row_scale_gmem.at[rows], row_scale_smem.at[wg],
+                                scales_arrived.at[wg])
+        plgpu.copy_gmem_to_smem(col_scale_gmem.at[cols], col_scale_smem.at[wg],
+                                scales_arrived.at[2 + wg])
+
+    def finish_tile(acc, row0, col0, partial_index=None, partial_origin=(0, 0)):
+      """Warpgroup `wg`'s epilogue for its tile at (row0, col0), its accumulator `acc`:
+      scales, the fused epilogue and its reductions, then the store by TMA in pieces, to
+      the output or, with `partial_index`, to that fp32 partial block (the tile at
+      `partial_origin` in it)."""
+      value = acc
+      if scaled:
+        plgpu.barrier_wait(scales_arrived.at[wg])
+        plgpu.barrier_wait(scales_arrived.at[2 + wg])
+        # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
+        acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
+                       * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
+      if epilogue is not None:
+        plgpu.barrier_wait(operand_arrived.at[wg])
+        value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
+      if partial_index is None:
+        out, smem = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem
+      else:   # the partial block's own coordinates
+        out = partial_gmem[0].at[partial_index, pl.ds(partial_origin[0], tile_m),
+                                 pl.ds(partial_origin[1], tile_n)]
+        smem = partial_smem if separate_partial_smem else out_smem
+      acc = value.astype(smem.dtype)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
+      if reduces_columns:
+        plgpu.barrier_wait(reduction_turn.at[wg])
+        if sums_gmem is not None:
+          sums_smem[wg] = jnp.sum(
+              value if column_sums == "unrounded" else acc.astype(jnp.float32), axis=0)
+        if line_maxima:
+          magnitude = jnp.abs(value)
+          col_max_smem[wg] = jnp.max(magnitude, axis=0)
+        plgpu.barrier_arrive(reduction_turn.at[1 - wg])
+        if line_maxima:
+          row_max_smem[wg] = jnp.max(magnitude, axis=1)   # within warps: no turn
+        plgpu.commit_smem()
+        for smem_row, gmem in ((sums_smem, sums_gmem), (col_max_smem, col_max_gmem)):
+          if gmem is not None:
+            plgpu.copy_smem_to_gmem(smem_row.at[wg], gmem.at[row0 // tile_m, pl.ds(col0, tile_n)])
+        if line_maxima:
+          plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
+                                  row_max_gmem.at[col0 // tile_n, pl.ds(row0, tile_m)])
+      buffers, piece_n = smem.shape[1], smem.shape[-1]
+      for pm in range(tile_m // epi_m):
+        for pn in range(tile_n // piece_n):
+          slot = (pm * (tile_n // piece_n) + pn) % buffers
+          rows = slice(pm * epi_m, (pm + 1) * epi_m)
+          cols = slice(pn * piece_n, (pn + 1) * piece_n)
+          plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
+          smem[wg, slot] = acc[rows, cols]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
+
+    whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
+
+    def whole_block(index):
+      """(block row, block column) of the index-th whole block: planar snake over the full
+      block rows, then row-major."""
+      in_rows = index < whole_rows * grid_n
+      bm, bn = plgpu.planar_snake(index, (max(whole_rows, 1), grid_n),
+                                  0 if config.grid_minor == "m" else 1, config.grid_tile_width)
+      return (lax.select(in_rows, bm, jnp.int32(whole_rows)),
+              lax.select(in_rows, bn, index - whole_rows * grid_n))
+
+    def tail_part(part):
+      """(block row, block column, first contraction step) of the part-th tail K-part."""
+      bm, bn = divmod(plan.whole + part // plan.splits, grid_n)
+      return bm, bn, (part % plan.splits) * plan.steps_per_split
+
     if reduces_columns:
       @pl.when(wg == 1)
       def _first_turn():   # warpgroup 0 reduces first
         plgpu.barrier_arrive(reduction_turn.at[0])
 
+    if pingpong:
+      _pingpong(wg, plan, config, transpose_a, a_gmem, b_gmem, a_ring, b_ring, loaded,
+                released, whole_block, tail_part, start_tile, finish_tile, reduction_turn)
+      return
+
+    if config.split == "m":
+      wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
+    else:
+      wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
+    wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
+
     def run_block(bm, bn, k_first_step, steps, partial_index=None):
-      """Accumulates block (bm, bn) over `steps` contraction steps; stores it to the output
-      or, with `partial_index`, to that fp32 partial."""
-      row0, col0 = bm * block_m, bn * block_n
-      block_rows, block_cols = pl.ds(row0, block_m), pl.ds(col0, block_n)
+      """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile."""
+      row0, col0 = bm * block_m + wg_row0, bn * block_n + wg_col0   # this warpgroup's tile
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
-      if partial_index is None:
-        dest, smem = out_gmem.at[block_rows, block_cols], out_smem
-      else:
-        dest = partial_gmem[0].at[partial_index]
-        smem = partial_smem if separate_partial_smem else out_smem
 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
-          if epilogue is not None:   # its operand tile arrives while the MMAs run
-            plgpu.copy_gmem_to_smem(operand_gmem.at[block_rows, block_cols].at[wg_rows, wg_cols],
-                                    operand_smem.at[wg], operand_arrived.at[wg])
-          if scaled:
-            plgpu.copy_gmem_to_smem(row_scale_gmem.at[block_rows].at[wg_rows],
-                                    row_scale_smem.at[wg], scales_arrived.at[wg])
-            plgpu.copy_gmem_to_smem(col_scale_gmem.at[block_cols].at[wg_cols],
-                                    col_scale_smem.at[wg], scales_arrived.at[2 + wg])
+          start_tile(row0, col0)
           run_pipeline(acc_ref)
-          acc = value = acc_ref[...]   # waits for the MMAs still in flight
-          if scaled:
-            plgpu.barrier_wait(scales_arrived.at[wg])
-            plgpu.barrier_wait(scales_arrived.at[2 + wg])
-            # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
-            acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
-                           * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
-          if epilogue is not None:
-            plgpu.barrier_wait(operand_arrived.at[wg])
-            value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
-          acc = value.astype(smem.dtype)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last block's stores
-          if reduces_columns:
-            sum_row = row0 // tile_m + (wg if config.split == "m" else 0)
-            max_row = col0 // tile_n + (wg if config.split == "n" else 0)
-            plgpu.barrier_wait(reduction_turn.at[wg])
-            if sums_gmem is not None:
-              sums_smem[wg] = jnp.sum(
-                  value if column_sums == "unrounded" else acc.astype(jnp.float32), axis=0)
-            if line_maxima:
-              magnitude = jnp.abs(value)
-              col_max_smem[wg] = jnp.max(magnitude, axis=0)
-            plgpu.barrier_arrive(reduction_turn.at[1 - wg])
-            if line_maxima:
-              row_max_smem[wg] = jnp.max(magnitude, axis=1)   # within warps: no turn
-            plgpu.commit_smem()
-            for smem_row, gmem in ((sums_smem, sums_gmem), (col_max_smem, col_max_gmem)):
-              if gmem is not None:
-                plgpu.copy_smem_to_gmem(smem_row.at[wg],
-                                        gmem.at[sum_row, block_cols].at[wg_cols])
-            if line_maxima:
-              plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
-                                      row_max_gmem.at[max_row, block_rows].at[wg_rows])
-          out = dest.at[wg_rows, wg_cols]
-          buffers, piece_n = smem.shape[1], smem.shape[-1]
-          for pm in range(tile_m // epi_m):
-            for pn in range(tile_n // piece_n):
-              slot = (pm * (tile_n // piece_n) + pn) % buffers
-              rows = slice(pm * epi_m, (pm + 1) * epi_m)
-              cols = slice(pn * piece_n, (pn + 1) * piece_n)
-              plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
-              smem[wg, slot] = acc[rows, cols]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
+          # (acc_ref[...] waits for the MMAs)
+          finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
       def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
@@ -472,33 +527,132 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         plgpu.wgmma_wait(delay)
         return acc_ref
 
+      block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
       a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
       pipeline(mma, compute_context, steps)(a_view, b_gmem.at[k_range, block_cols],
                                             allocations=allocations)
 
-    whole_rows, extra = divmod(plan.whole, grid_n)   # full block rows, then `extra` blocks
-
-    def _whole_blocks(loop):
-      (index,) = loop.index
-      in_rows = index < whole_rows * grid_n
-      bm, bn = plgpu.planar_snake(index, (max(whole_rows, 1), grid_n),
-                                  0 if config.grid_minor == "m" else 1, config.grid_tile_width)
-      bm = lax.select(in_rows, bm, jnp.int32(whole_rows))
-      bn = lax.select(in_rows, bn, index - whole_rows * grid_n)
-      run_block(bm, bn, 0, plan.k_steps)
-
     if plan.whole:
-      plgpu.nd_loop((plan.whole,), collective_axes="program")(_whole_blocks)
+      @plgpu.nd_loop((plan.whole,), collective_axes="program")
+      def _whole_blocks(loop):
+        (index,) = loop.index
+        run_block(*whole_block(index), 0, plan.k_steps)
     if partial_gmem:
       @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
       def _tail_parts(loop):
         (index,) = loop.index
-        bm, bn = divmod(plan.whole + index // plan.splits, grid_n)
-        run_block(bm, bn, (index % plan.splits) * plan.steps_per_split, plan.steps_per_split,
-                  partial_index=index)
+        run_block(*tail_part(index), plan.steps_per_split, partial_index=index)
     if reduces_columns:
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
         plgpu.barrier_wait(reduction_turn.at[0])
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pingpong(wg, plan: Schedule, config: GemmConfig, transpose_a: bool, a_gmem, b_gmem,
+              a_ring, b_ring, loaded, released, whole_block, tail_part, start_tile,
+              finish_tile, reduction_turn):
+  """The ping-pong schedule: each compute warpgroup accumulates whole tiles, the program's
+  work items (its whole blocks, then its tail K-parts) taken in turn by warpgroups 0 and
+  1, so one's epilogue runs while the other's MMAs do. The memory warpgroup (`wg` 2)
+  loads every item's operand tiles, in order, into the ring of the warpgroup that takes
+  it; slot s of warpgroup w's ring is `loaded[w * stages + s]` when both tiles are in,
+  `released[...]` when its MMAs are done. A ring's positions run on across items, so
+  there is no pipeline fill or drain between them."""
+  tile_m, tile_n, tile_k, stages = config.tile_m, config.tile_n, config.tile_k, config.stages
+  programs, items = plan.programs, plan.whole + plan.tail * plan.splits
+  program = lax.axis_index("program")
+  count = (items - program + programs - 1) // programs   # this program's items
+
+  def item(j):
+    """(block row, block column, first contraction step, steps, tail part or -1) of this
+    program's j-th item."""
+    index = program + j * programs
+    bm, bn = whole_block(index)
+    if not plan.tail or plan.splits == 1:
+      return bm, bn, jnp.int32(0), jnp.int32(plan.k_steps), jnp.int32(-1)
+    part = index - plan.whole
+    tail_bm, tail_bn, tail_k = tail_part(lax.max(part, 0))
+    whole = part < 0
+    return (lax.select(whole, bm, tail_bm), lax.select(whole, bn, tail_bn),
+            lax.select(whole, jnp.int32(0), tail_k),
+            lax.select(whole, jnp.int32(plan.k_steps), jnp.int32(plan.steps_per_split)),
+            lax.select(whole, jnp.int32(-1), part))
+
+  @pl.when(wg == 2)
+  def _memory():
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def item_loads(j, positions):
+      w = lax.rem(j, 2)
+      bm, bn, k_first, steps, _ = item(j)
+
+      def step_loads(s, positions):
+        position = lax.select(w == 0, positions[0], positions[1])
+        slot = lax.rem(position, stages)
+        barrier = w * stages + slot
+        plgpu.barrier_wait(released.at[barrier])
+        k = pl.ds((k_first + s) * tile_k, tile_k)
+        rows, cols = pl.ds(bm * tile_m, tile_m), pl.ds(bn * tile_n, tile_n)
+        plgpu.copy_gmem_to_smem(a_gmem.at[k, rows] if transpose_a else a_gmem.at[rows, k],
+                                a_ring.at[w, slot], loaded.at[barrier])
+        plgpu.copy_gmem_to_smem(b_gmem.at[k, cols], b_ring.at[w, slot], loaded.at[barrier])
+        return (positions[0] + (w == 0).astype(jnp.int32),
+                positions[1] + (w == 1).astype(jnp.int32))
+
+      return lax.fori_loop(0, steps, step_loads, positions)
+
+    lax.fori_loop(0, count, item_loads, (jnp.int32(0), jnp.int32(0)))
+    for barrier in range(2 * stages):   # the last releases: every phase is waited on
+      plgpu.barrier_wait(released.at[barrier])
+
+  @pl.when(wg < 2)
+  def _compute():
+    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
+    for s in range(stages):   # every slot starts free
+      plgpu.barrier_arrive(released.at[wg * stages + s])
+
+    def tile(i, position):
+      bm, bn, k_first, steps, part = item(2 * i + wg)
+      row0, col0 = bm * tile_m, bn * tile_n
+      start_tile(row0, col0)
+
+      def accumulate(acc_ref):
+        def step(s, position):
+          slot = lax.rem(position, stages)
+          plgpu.barrier_wait(loaded.at[wg * stages + slot])
+          a = a_ring.at[wg, slot]
+          plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b_ring.at[wg, slot])
+          if config.mma_in_flight:   # the previous step's MMAs are done: release its slot
+            plgpu.wgmma_wait(1)
+
+            @pl.when(s > 0)
+            def _release():
+              plgpu.barrier_arrive(released.at[wg * stages + lax.rem(position + stages - 1,
+                                                                        stages)])
+          else:
+            plgpu.wgmma_wait(0)
+            plgpu.barrier_arrive(released.at[wg * stages + slot])
+          return position + 1
+
+        position_after = lax.fori_loop(0, steps, step, position)
+        if config.mma_in_flight:
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(released.at[wg * stages + lax.rem(position_after + stages - 1,
+                                                                    stages)])
+        acc = acc_ref[...]
+        if plan.splits > 1:
+          pl.when(part < 0)(lambda: finish_tile(acc, row0, col0))
+          pl.when(part >= 0)(lambda: finish_tile(acc, row0, col0, partial_index=part))
+        else:
+          finish_tile(acc, row0, col0)
+        return position_after
+
+      return pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+    lax.fori_loop(0, (count - wg + 1) // 2, tile, jnp.int32(0))
+    if reduction_turn is not None:
+      @pl.when(wg == lax.rem(count, 2))
+      def _last_turn():   # the other warpgroup's last arrival: every phase is waited on
+        plgpu.barrier_wait(reduction_turn.at[lax.rem(count, 2)])
