@@ -36,29 +36,12 @@ PRODUCTS = {
 }
 CONFIGS = {   # block (rows x columns), contraction step, stages, ...; "fN": N wgmma groups
     # left in flight; "eRxC": epilogue pieces; "tN": the last wave's blocks split along K
-    # into up to N parts; "bN": N epilogue pieces in flight per warpgroup.
-    # The tables' cooperative configs (two warpgroups share each block):
+    # into up to N parts. The tables' configs (backends/mosaic/configs/h200.json):
     "128x128 k64 st6 f1 e64x32 t16": C(tile_n=64, stages=6, mma_in_flight=1,
                                        epilogue_tile=(64, 32), tail_splits=16),
     "128x128 k64 st5 f1 e64x64 t16": C(tile_n=64, stages=5, mma_in_flight=1,
                                        epilogue_tile=(64, 64), tail_splits=16),
     "128x256 k64 st3 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
-    # Ping-pong (each warpgroup takes whole blocks in turn, a ring of stages each):
-    "pingpong 128x128 k64 st3 f1 e64x32 b1 t16": C(
-        warpgroups="pingpong", stages=3, mma_in_flight=1, epilogue_tile=(64, 32),
-        epilogue_buffers=1, tail_splits=16),
-    "pingpong 128x128 k64 st3 f0 e64x32 b1 t16": C(
-        warpgroups="pingpong", stages=3, epilogue_tile=(64, 32), epilogue_buffers=1,
-        tail_splits=16),
-    "pingpong 128x128 k64 st2 f1 e64x32 t16": C(
-        warpgroups="pingpong", stages=2, mma_in_flight=1, epilogue_tile=(64, 32),
-        tail_splits=16),
-    "pingpong 128x64 k64 st4 f1 e64x32 b1 t16": C(
-        warpgroups="pingpong", tile_n=64, stages=4, mma_in_flight=1, epilogue_tile=(64, 32),
-        epilogue_buffers=1, tail_splits=16),
-    "pingpong 64x256 k64 st2 f1 e64x32 b1 t16": C(
-        warpgroups="pingpong", tile_m=64, tile_n=256, stages=2, mma_in_flight=1,
-        epilogue_tile=(64, 32), epilogue_buffers=1, tail_splits=16),
 }
 
 

@@ -90,24 +90,16 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
-  # "cooperative": the two compute warpgroups share each block (its two tiles, `split`);
-  # "pingpong": each takes whole tile-sized blocks in turn, one's epilogue under the
-  # other's MMAs, each with its own ring of `stages` (see `_pingpong`).
-  warpgroups: str = "cooperative"
 
   @property
   def block(self) -> tuple[int, int]:
     """(rows, columns) of the output block one program computes at a time."""
-    if self.warpgroups == "pingpong":
-      return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
-    if self.warpgroups not in ("cooperative", "pingpong"):
-      raise ValueError(f"GemmConfig.warpgroups takes 'cooperative' or 'pingpong': {self}")
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
@@ -117,8 +109,6 @@ SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
-MEMORY_REGISTERS = 40              # per thread of the TMA warpgroup ...
-COMPUTE_REGISTERS = 232            # ... and of each compute one: 64K in all
 COLUMN_SUMS = (None, "stored", "unrounded")
 
 
@@ -134,10 +124,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
-  if config.warpgroups == "pingpong":   # a ring per warpgroup, kept across blocks
-    stages = 2 * config.stages * config.tile_k * jnp.dtype(dtype).itemsize
-  else:   # one ring, shrunk to the step count
-    stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
+  stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
   buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
@@ -226,7 +213,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if b.shape[0] != k:
     raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
-  if transpose_a and config.split == "m" and config.warpgroups == "cooperative":
+  if transpose_a and config.split == "m":
     raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
                      "use split='n'.")
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
@@ -343,7 +330,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(config.epilogue_buffers, pieces)
-  pingpong = config.warpgroups == "pingpong"
 
   partial_dtype = jnp.float32
   separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
@@ -373,37 +359,27 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if reduces_columns:   # reduction_turn[w]: warpgroup w may reduce across its warps
     extra_smem.update(reduction_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-  stages = config.stages
+  # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
+  delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
   a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
-  if pingpong:   # a ring of operand tiles per warpgroup; loaded: both tiles, by TMA
-    operand_ring = dict(
-        a_ring=plgpu.SMEM((2, stages, *a_tile), dtype, transforms=swizzled_tiles(dtype)),
-        b_ring=plgpu.SMEM((2, stages, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages),
-        released=plgpu.Barrier(num_arrivals=1, num_barriers=2 * stages))
-  else:
-    # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
-    delay = config.mma_in_flight if min(stages, plan.k_steps) > config.mma_in_flight else 0
-    a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
-                             transforms=swizzled_tiles(dtype), delay_release=delay)
-    b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
-                             transforms=swizzled_tiles(dtype), delay_release=delay)
+  a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
+                           transforms=swizzled_tiles(dtype), delay_release=delay)
+  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
+                           transforms=swizzled_tiles(dtype), delay_release=delay)
 
-    def pipeline(body, compute_context, steps):
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=[a_spec, b_spec],
-          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-          compute_context=compute_context)
+  def pipeline(body, compute_context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
+        compute_context=compute_context)
 
-    ignore = lambda *_, **__: None
-    operand_ring = dict(
-        allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem))
+  ignore = lambda *_, **__: None
 
   @functools.partial(
-      pl.run_scoped, out_smem=epilogue_smem(out_dtype, slots, epi_n), **operand_ring,
-      **extra_smem, collective_axes="wg")
-  def _scope(out_smem, allocations=None, a_ring=None, b_ring=None, loaded=None, released=None,
-             partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
+      pl.run_scoped,
+      allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
+      out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
+  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
              reduction_turn=None, row_scale_smem=None, col_scale_smem=None, scales_arrived=None,
              col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
@@ -494,11 +470,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       def _first_turn():   # warpgroup 0 reduces first
         plgpu.barrier_arrive(reduction_turn.at[0])
 
-    if pingpong:
-      _pingpong(wg, plan, config, transpose_a, a_gmem, b_gmem, a_ring, b_ring, loaded,
-                released, whole_block, tail_part, start_tile, finish_tile, reduction_turn)
-      return
-
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
     else:
@@ -549,110 +520,3 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-
-def _pingpong(wg, plan: Schedule, config: GemmConfig, transpose_a: bool, a_gmem, b_gmem,
-              a_ring, b_ring, loaded, released, whole_block, tail_part, start_tile,
-              finish_tile, reduction_turn):
-  """The ping-pong schedule: each compute warpgroup accumulates whole tiles, the program's
-  work items (its whole blocks, then its tail K-parts) taken in turn by warpgroups 0 and
-  1, so one's epilogue runs while the other's MMAs do. The memory warpgroup (`wg` 2)
-  loads every item's operand tiles, in order, into the ring of the warpgroup that takes
-  it; slot s of warpgroup w's ring is `loaded[w * stages + s]` when both tiles are in,
-  `released[...]` when its MMAs are done. A ring's positions run on across items, so
-  there is no pipeline fill or drain between them."""
-  tile_m, tile_n, tile_k, stages = config.tile_m, config.tile_n, config.tile_k, config.stages
-  programs, items = plan.programs, plan.whole + plan.tail * plan.splits
-  program = lax.axis_index("program")
-  count = (items - program + programs - 1) // programs   # this program's items
-
-  def item(j):
-    """(block row, block column, first contraction step, steps, tail part or -1) of this
-    program's j-th item."""
-    index = program + j * programs
-    bm, bn = whole_block(index)
-    if not plan.tail or plan.splits == 1:
-      return bm, bn, jnp.int32(0), jnp.int32(plan.k_steps), jnp.int32(-1)
-    part = index - plan.whole
-    tail_bm, tail_bn, tail_k = tail_part(lax.max(part, 0))
-    whole = part < 0
-    return (lax.select(whole, bm, tail_bm), lax.select(whole, bn, tail_bn),
-            lax.select(whole, jnp.int32(0), tail_k),
-            lax.select(whole, jnp.int32(plan.k_steps), jnp.int32(plan.steps_per_split)),
-            lax.select(whole, jnp.int32(-1), part))
-
-  @pl.when(wg == 2)
-  def _memory():
-    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-    def item_loads(j, positions):
-      w = lax.rem(j, 2)
-      bm, bn, k_first, steps, _ = item(j)
-
-      def step_loads(s, positions):
-        position = lax.select(w == 0, positions[0], positions[1])
-        slot = lax.rem(position, stages)
-        barrier = w * stages + slot
-        plgpu.barrier_wait(released.at[barrier])
-        k = pl.ds((k_first + s) * tile_k, tile_k)
-        rows, cols = pl.ds(bm * tile_m, tile_m), pl.ds(bn * tile_n, tile_n)
-        plgpu.copy_gmem_to_smem(a_gmem.at[k, rows] if transpose_a else a_gmem.at[rows, k],
-                                a_ring.at[w, slot], loaded.at[barrier])
-        plgpu.copy_gmem_to_smem(b_gmem.at[k, cols], b_ring.at[w, slot], loaded.at[barrier])
-        return (positions[0] + (w == 0).astype(jnp.int32),
-                positions[1] + (w == 1).astype(jnp.int32))
-
-      return lax.fori_loop(0, steps, step_loads, positions)
-
-    lax.fori_loop(0, count, item_loads, (jnp.int32(0), jnp.int32(0)))
-    for barrier in range(2 * stages):   # the last releases: every phase is waited on
-      plgpu.barrier_wait(released.at[barrier])
-
-  @pl.when(wg < 2)
-  def _compute():
-    plgpu.set_max_registers(COMPUTE_REGISTERS, action="increase")
-    for s in range(stages):   # every slot starts free
-      plgpu.barrier_arrive(released.at[wg * stages + s])
-
-    def tile(i, position):
-      bm, bn, k_first, steps, part = item(2 * i + wg)
-      row0, col0 = bm * tile_m, bn * tile_n
-      start_tile(row0, col0)
-
-      def accumulate(acc_ref):
-        def step(s, position):
-          slot = lax.rem(position, stages)
-          plgpu.barrier_wait(loaded.at[wg * stages + slot])
-          a = a_ring.at[wg, slot]
-          plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b_ring.at[wg, slot])
-          if config.mma_in_flight:   # the previous step's MMAs are done: release its slot
-            plgpu.wgmma_wait(1)
-
-            @pl.when(s > 0)
-            def _release():
-              plgpu.barrier_arrive(released.at[wg * stages + lax.rem(position + stages - 1,
-                                                                        stages)])
-          else:
-            plgpu.wgmma_wait(0)
-            plgpu.barrier_arrive(released.at[wg * stages + slot])
-          return position + 1
-
-        position_after = lax.fori_loop(0, steps, step, position)
-        if config.mma_in_flight:
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(released.at[wg * stages + lax.rem(position_after + stages - 1,
-                                                                    stages)])
-        acc = acc_ref[...]
-        if plan.splits > 1:
-          pl.when(part < 0)(lambda: finish_tile(acc, row0, col0))
-          pl.when(part >= 0)(lambda: finish_tile(acc, row0, col0, partial_index=part))
-        else:
-          finish_tile(acc, row0, col0)
-        return position_after
-
-      return pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-    lax.fori_loop(0, (count - wg + 1) // 2, tile, jnp.int32(0))
-    if reduction_turn is not None:
-      @pl.when(wg == lax.rem(count, 2))
-      def _last_turn():   # the other warpgroup's last arrival: every phase is waited on
-        plgpu.barrier_wait(reduction_turn.at[lax.rem(count, 2)])
