@@ -90,9 +90,6 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
-  # The contraction step of a block at which its epilogue operand and scales start to
-  # load (the last step if the block has fewer): at 0 they share HBM with the ring's fill.
-  operand_load_step: int = 0
 
   @property
   def block(self) -> tuple[int, int]:
@@ -479,8 +476,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
-    load_step = config.operand_load_step if (epilogue is not None or scaled) else 0
-
     def run_block(bm, bn, k_first_step, steps, partial_index=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile."""
       row0, col0 = bm * block_m + wg_row0, bn * block_n + wg_col0   # this warpgroup's tile
@@ -489,15 +484,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
-          if load_step == 0:
-            start_tile(row0, col0)
+          start_tile(row0, col0)
           run_pipeline(acc_ref)
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(index, a_smem, b_smem, acc_ref):
-        if load_step:
-          pl.when(index[0] == min(load_step, steps - 1))(lambda: start_tile(row0, col0))
+      def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
