@@ -42,18 +42,6 @@ CONFIGS = {   # block (rows x columns), contraction step, stages, ...; "fN": N w
     "128x128 k64 st5 f1 e64x64 t16": C(tile_n=64, stages=5, mma_in_flight=1,
                                        epilogue_tile=(64, 64), tail_splits=16),
     "128x256 k64 st3 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
-    # Ping-pong (each warpgroup takes whole tiles in turn, loading its own ring); "bN": N
-    # epilogue pieces in flight per warpgroup:
-    "pingpong 128x128 k64 st3 e64x32 b1 t16": C(
-        warpgroups="pingpong", stages=3, epilogue_tile=(64, 32), epilogue_buffers=1,
-        tail_splits=16),
-    "pingpong 128x128 k64 st3 e64x32 b2 t16": C(
-        warpgroups="pingpong", stages=3, epilogue_tile=(64, 32), tail_splits=16),
-    "pingpong 128x64 k64 st4 e64x32 b1 t16": C(
-        warpgroups="pingpong", tile_n=64, stages=4, epilogue_tile=(64, 32), epilogue_buffers=1,
-        tail_splits=16),
-    "pingpong 128x64 k64 st4 e64x32 b2 t16": C(
-        warpgroups="pingpong", tile_n=64, stages=4, epilogue_tile=(64, 32), tail_splits=16),
 }
 
 

@@ -90,25 +90,16 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
-  # "cooperative": the two compute warpgroups share each block (its two tiles, `split`);
-  # "pingpong": each takes whole tile-sized blocks in turn and loads its own ring of
-  # `stages`, one's epilogue under the other's MMAs (see `_pingpong`; one wgmma group
-  # always in flight).
-  warpgroups: str = "cooperative"
 
   @property
   def block(self) -> tuple[int, int]:
     """(rows, columns) of the output block one program computes at a time."""
-    if self.warpgroups == "pingpong":
-      return (self.tile_m, self.tile_n)
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
   def __post_init__(self):
     if self.split not in ("m", "n") or self.grid_minor not in ("m", "n"):
       raise ValueError(f"GemmConfig.split and grid_minor take 'm' or 'n': {self}")
-    if self.warpgroups not in ("cooperative", "pingpong"):
-      raise ValueError(f"GemmConfig.warpgroups takes 'cooperative' or 'pingpong': {self}")
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
@@ -118,7 +109,6 @@ SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
-MEMORY_REGISTERS = 40              # per thread of the cooperative schedule's TMA warpgroup
 COLUMN_SUMS = (None, "stored", "unrounded")
 
 
@@ -134,10 +124,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
-  if config.warpgroups == "pingpong":   # a ring per warpgroup, kept across blocks
-    stages = 2 * config.stages * config.tile_k * jnp.dtype(dtype).itemsize
-  else:   # one ring, shrunk to the step count
-    stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
+  stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
   buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
@@ -226,7 +213,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if b.shape[0] != k:
     raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
-  if transpose_a and config.split == "m" and config.warpgroups == "cooperative":
+  if transpose_a and config.split == "m":
     raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
                      "use split='n'.")
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
@@ -282,8 +269,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
-      grid=(plan.programs,), grid_names=("program",),
-      num_threads=2 if config.warpgroups == "pingpong" else 3, thread_name="wg",
+      grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
@@ -344,7 +330,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   epi_m, epi_n = config.epilogue_tile
   pieces = (tile_m // epi_m) * (tile_n // epi_n)
   slots = min(config.epilogue_buffers, pieces)
-  pingpong = config.warpgroups == "pingpong"
 
   partial_dtype = jnp.float32
   separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
@@ -374,36 +359,27 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if reduces_columns:   # reduction_turn[w]: warpgroup w may reduce across its warps
     extra_smem.update(reduction_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-  stages = config.stages
+  # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
+  delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
   a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
-  if pingpong:   # a ring of operand tiles per warpgroup; loaded: both tiles, by TMA
-    operand_ring = dict(
-        a_ring=plgpu.SMEM((2, stages, *a_tile), dtype, transforms=swizzled_tiles(dtype)),
-        b_ring=plgpu.SMEM((2, stages, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
-        loaded=plgpu.Barrier(num_arrivals=2, num_barriers=2 * stages))
-  else:
-    # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
-    delay = config.mma_in_flight if min(stages, plan.k_steps) > config.mma_in_flight else 0
-    a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
-                             transforms=swizzled_tiles(dtype), delay_release=delay)
-    b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
-                             transforms=swizzled_tiles(dtype), delay_release=delay)
+  a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
+                           transforms=swizzled_tiles(dtype), delay_release=delay)
+  b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
+                           transforms=swizzled_tiles(dtype), delay_release=delay)
 
-    def pipeline(body, compute_context, steps):
-      return plgpu.emit_pipeline_warp_specialized(
-          body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=[a_spec, b_spec],
-          wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-          compute_context=compute_context)
+  def pipeline(body, compute_context, steps):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
+        compute_context=compute_context)
 
-    ignore = lambda *_, **__: None
-    operand_ring = dict(
-        allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem))
+  ignore = lambda *_, **__: None
 
   @functools.partial(
-      pl.run_scoped, out_smem=epilogue_smem(out_dtype, slots, epi_n), **operand_ring,
-      **extra_smem, collective_axes="wg")
-  def _scope(out_smem, allocations=None, a_ring=None, b_ring=None, loaded=None,
-             partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
+      pl.run_scoped,
+      allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
+      out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
+  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
              reduction_turn=None, row_scale_smem=None, col_scale_smem=None, scales_arrived=None,
              col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
@@ -494,11 +470,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       def _first_turn():   # warpgroup 0 reduces first
         plgpu.barrier_arrive(reduction_turn.at[0])
 
-    if pingpong:
-      _pingpong(wg, plan, config, transpose_a, a_gmem, b_gmem, a_ring, b_ring, loaded,
-                whole_block, tail_part, start_tile, finish_tile, reduction_turn)
-      return
-
     if config.split == "m":
       wg_rows, wg_cols = pl.ds(wg * tile_m, tile_m), slice(None)
     else:
@@ -549,93 +520,3 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-
-def _pingpong(wg, plan: Schedule, config: GemmConfig, transpose_a: bool, a_gmem, b_gmem,
-              a_ring, b_ring, loaded, whole_block, tail_part, start_tile, finish_tile,
-              reduction_turn):
-  """The ping-pong schedule: each of the two warpgroups accumulates whole tiles, the
-  program's work items (its whole blocks, then its tail K-parts) taken in turn, and loads
-  its own operand tiles by TMA into its own ring of `stages` slots (`loaded[w * stages +
-  s]`: both tiles of warpgroup w's slot s are in). A slot is refilled as soon as its MMAs
-  are done, and the next item's first tiles are loaded before the epilogue of this one,
-  so they arrive while it runs; the other warpgroup's MMAs keep the tensor cores busy."""
-  tile_m, tile_n, tile_k, stages = config.tile_m, config.tile_n, config.tile_k, config.stages
-  programs, items = plan.programs, plan.whole + plan.tail * plan.splits
-  program = lax.axis_index("program")
-  count = (items - program + programs - 1) // programs   # this program's items
-  mine = (count - wg + 1) // 2                           # ... and this warpgroup's
-
-  def item(j):
-    """(block row, block column, first contraction step, steps, tail part or -1) of this
-    program's j-th item."""
-    index = program + j * programs
-    bm, bn = whole_block(index)
-    if plan.splits == 1:
-      return bm, bn, jnp.int32(0), jnp.int32(plan.k_steps), jnp.int32(-1)
-    part = index - plan.whole
-    tail_bm, tail_bn, tail_k = tail_part(lax.max(part, 0))
-    whole = part < 0
-    return (lax.select(whole, bm, tail_bm), lax.select(whole, bn, tail_bn),
-            lax.select(whole, jnp.int32(0), tail_k),
-            lax.select(whole, jnp.int32(plan.k_steps), jnp.int32(plan.steps_per_split)),
-            lax.select(whole, jnp.int32(-1), part))
-
-  def load(i, step, position):
-    """Starts the loads of this warpgroup's i-th item's contraction step `step` into the
-    slot of ring position `position`."""
-    bm, bn, k_first, _, _ = item(2 * i + wg)
-    slot = lax.rem(position, stages)
-    k = pl.ds((k_first + step) * tile_k, tile_k)
-    rows, cols = pl.ds(bm * tile_m, tile_m), pl.ds(bn * tile_n, tile_n)
-    barrier = loaded.at[wg * stages + slot]
-    plgpu.copy_gmem_to_smem(a_gmem.at[k, rows] if transpose_a else a_gmem.at[rows, k],
-                            a_ring.at[wg, slot], barrier)
-    plgpu.copy_gmem_to_smem(b_gmem.at[k, cols], b_ring.at[wg, slot], barrier)
-
-  def first_loads(i, position):
-    """The i-th item's first steps, as many as the ring holds, from ring position
-    `position`."""
-    @pl.when(i < mine)
-    def _():
-      steps = item(2 * i + wg)[3]
-
-      @pl.loop(0, stages)
-      def _(s):
-        pl.when(s < steps)(lambda: load(i, s, position + s))
-
-  first_loads(0, jnp.int32(0))
-
-  def tile(i, position):
-    bm, bn, _, steps, part = item(2 * i + wg)
-    row0, col0 = bm * tile_m, bn * tile_n
-    start_tile(row0, col0)
-
-    def accumulate(acc_ref):
-      def step(s, _):
-        slot = lax.rem(position + s, stages)
-        plgpu.barrier_wait(loaded.at[wg * stages + slot])
-        a = a_ring.at[wg, slot]
-        plgpu.wgmma(acc_ref, a.transpose((1, 0)) if transpose_a else a, b_ring.at[wg, slot])
-        plgpu.wgmma_wait(1)   # step s - 1's MMAs are done: refill its slot
-        refill = s - 1 + stages
-        pl.when((s > 0) & (refill < steps))(lambda: load(i, refill, position + refill))
-        return ()
-
-      lax.fori_loop(0, steps, step, ())
-      plgpu.wgmma_wait(0)
-      first_loads(i + 1, position + steps)   # every slot is free again
-      acc = acc_ref[...]
-      if plan.splits > 1:
-        pl.when(part < 0)(lambda: finish_tile(acc, row0, col0))
-        pl.when(part >= 0)(lambda: finish_tile(acc, row0, col0, partial_index=part))
-      else:
-        finish_tile(acc, row0, col0)
-      return position + steps
-
-    return pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-  lax.fori_loop(0, mine, tile, jnp.int32(0))
-  if reduction_turn is not None:
-    @pl.when(wg == lax.rem(count, 2))
-    def _last_turn():   # the other warpgroup's last arrival: every phase is waited on
-      plgpu.barrier_wait(reduction_turn.at[lax.rem(count, 2)])
