@@ -4,8 +4,8 @@
     compute-sanitizer --tool racecheck python -m tests.sanitize_run --implementation mosaic 7 65 333
 
 The Triton backend runs on fp32 inputs at the default precision and under
-F16_F16_F32; the Mosaic backend on fp32 inputs under F16_F16_F32 and on bf16
-inputs.
+F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
+the f16 engine) and under F16_F16_F32, and on bf16 inputs.
 """
 
 import argparse
@@ -18,7 +18,7 @@ from tests import helpers
 
 F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 RUNS = {"triton": ((jnp.float32, None), (jnp.float32, F16)),
-        "mosaic": ((jnp.float32, F16), (jnp.bfloat16, None))}
+        "mosaic": ((jnp.float32, None), (jnp.float32, F16), (jnp.bfloat16, None))}
 
 parser = argparse.ArgumentParser(prog="python -m tests.sanitize_run")
 parser.add_argument("seq_lens", type=int, nargs="*", default=[1, 131, 293])
