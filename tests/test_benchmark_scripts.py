@@ -84,3 +84,40 @@ def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkey
   assert [config for fused, config in first if fused] == [table]
   assert [config for fused, config in second if fused] == [dataclasses.replace(table, stages=3)]
   assert [c for fused, c in first if not fused] == [c for fused, c in second if not fused]
+
+
+def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
+    tmp_path, monkeypatch):
+  """On a CPU, with the jnp stand-in for the engine and wall clocks: each step reaches the
+  engine with the table's pre-GELU config and one more piece of the epilogue than the step
+  before, and the last step of each table is the backward's product itself."""
+  from benchmarks import epilogue_costs
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from tests.test_mosaic_backend import _jnp_engine
+  seen = []
+
+  def engine(a, b, *, config, **kw):
+    seen.append((config, jnp.dtype(kw["out_dtype"]).name, kw.get("epilogue") is not None,
+                 kw.get("column_sums"), kw.get("line_maxima", False),
+                 kw.get("row_scale") is not None))
+    return _jnp_engine(a, b, **kw)
+
+  monkeypatch.setattr(epilogue_costs.engine, "matmul", engine)
+  monkeypatch.setattr(timing, "device_times_us",
+                      lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
+  epilogue_costs.main(["--seq-lens", "16", "--size", "64x128", "--iterations", "1",
+                       "--out", str(tmp_path)])
+  [record] = list(tmp_path.glob("epilogue_costs_*.json"))
+  rows = json.loads(record.read_text())["rows"]
+  assert [r["step"] for r in rows] == list(epilogue_costs.STEPS)
+  tables = backward_sm90.TABLES
+  f16, tf32 = (tables.rows_for(tables.pre_gelu, name)[-1][1]
+               for name in ("fp32_inputs", "tf32_on_f16"))
+  assert seen == [
+      (f16, "float16", False, None, False, False), (f16, "float16", True, None, False, False),
+      (f16, "float16", True, None, False, False),
+      (f16, "float16", True, "unrounded", False, False),
+      (tf32, "float32", False, None, False, False), (tf32, "float32", True, None, False, False),
+      (tf32, "float32", True, "unrounded", False, False),
+      (tf32, "float32", True, "unrounded", True, False),
+      (tf32, "float32", True, "unrounded", True, True)]

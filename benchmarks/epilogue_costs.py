@@ -1,0 +1,93 @@
+"""`python -m benchmarks.epilogue_costs`: where the fused pre-GELU product's time goes.
+
+Times `grad_output @ fc2_weight` alone on the engine (f16 operands in HBM, the
+`fc1_output` operand in fp32, S x H x I of the seed distribution) with its
+epilogue built up one piece at a time, each step in the config the backward's
+table uses for it: the plain product, then the operand read (`acc * x`), the GELU
+derivative, the bias sums, the line maxima and the TF32 unscaling. The
+difference between two rows is what that piece costs the kernel. CUPTI device
+time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import cases, timing
+from benchmarks.run import result_stem
+from vision_mlp_bwd import reference
+from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
+
+TABLES = {"f16": ("fp32_inputs", jnp.float16), "tf32": ("tf32_on_f16", jnp.float32)}
+STEPS = {   # name -> (table, epilogue, matmul options)
+    "f16: plain product": ("f16", None, {}),
+    "f16: + operand read (acc * x)": ("f16", "multiply", {}),
+    "f16: + GELU derivative": ("f16", "gelu", {}),
+    "f16: + bias sums (the table's product)": ("f16", "gelu", dict(column_sums="unrounded")),
+    "tf32: plain product, fp32 out": ("tf32", None, {}),
+    "tf32: + GELU derivative": ("tf32", "gelu", {}),
+    "tf32: + bias sums": ("tf32", "gelu", dict(column_sums="unrounded")),
+    "tf32: + line maxima": ("tf32", "gelu", dict(column_sums="unrounded", line_maxima=True)),
+    "tf32: + unscaling (the table's product)": ("tf32", "gelu", dict(
+        column_sums="unrounded", line_maxima=True, scaled=True)),
+}
+EPILOGUES = {"multiply": lambda acc, x: acc * x, "gelu": reference.gelu_backward}
+
+
+def step_fn(step: str, tokens: int, config=None):
+  """The jitted product of one step, `f(a, b, fc1_output, row_scale, col_scale)`."""
+  table, epilogue, options = STEPS[step]
+  inputs, out_dtype = TABLES[table]
+  if config is None:
+    rows = backward_sm90.TABLES.rows_for(backward_sm90.TABLES.pre_gelu, inputs)
+    config = next(c for bound, c in rows if bound is None or tokens <= bound)
+  options = dict(options)
+  scaled = options.pop("scaled", False)
+
+  def f(a, b, x, row_scale, col_scale):
+    extra = dict(row_scale=row_scale, col_scale=col_scale) if scaled else {}
+    if epilogue is not None:
+      extra.update(epilogue=EPILOGUES[epilogue], epilogue_operand=x, approx_math=True)
+    return engine.matmul(a, b, out_dtype=out_dtype, config=config, **options, **extra)
+  return jax.jit(f)
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.epilogue_costs",
+                                   description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--seq-lens", type=int, nargs="+", default=[4096])
+  parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS))
+  parser.add_argument("--size", default=f"{cases.HIDDEN}x{cases.INTERMEDIATE}",
+                      help="HxI (multiples of 64)")
+  parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
+  args = parser.parse_args(argv)
+  hidden, intermediate = (int(v) for v in args.size.split("x"))
+  rows = []
+  for tokens in args.seq_lens:
+    grad_output, _, _, _, fc2_weight, _, fc1_output, _ = cases.make_inputs(
+        jax.random.key(tokens), tokens, hidden, intermediate)
+    a, b = grad_output.astype(jnp.float16), fc2_weight.astype(jnp.float16)
+    x = fc1_output.astype(jnp.float32)
+    row_scale = jnp.exp2(jnp.arange(tokens, dtype=jnp.float32) % 7 - 3)
+    col_scale = jnp.ones((intermediate,), jnp.float32)
+    for step in args.steps:
+      t = timing.device_times_us(step_fn(step, tokens), a, b, x, row_scale, col_scale,
+                                 iterations=args.iterations)
+      rows.append(dict(seq_len=tokens, step=step, median_us=t.median_us,
+                       kernels=list(zip(t.kernel_names, t.kernel_median_us))))
+      print(f"S={tokens:6d} {step:42s} {t.median_us:8.1f} us", flush=True)
+  stem, date = result_stem(args.out, "epilogue_costs")
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
+                   commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
