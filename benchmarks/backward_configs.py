@@ -18,13 +18,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, timing
-from benchmarks.run import result_stem, todays_runs_dir
+from benchmarks.run import write_result_json, todays_runs_dir
 from vision_mlp_bwd import precision as precisions
 from vision_mlp_bwd.backends.mosaic import backward_sm90
 from vision_mlp_bwd.problem import Problem
@@ -81,11 +80,8 @@ def main(argv=None):
                        bitwise_same_as_first=same))
       print(f"S={tokens:6d} {json.dumps(variant):50s} {t.median_us:8.1f} us  largest kernel "
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
-  stem, date = result_stem(args.out, "backward_configs")
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
-                   commit=os.environ.get("GIT_COMMIT", "unknown"), table=args.table,
-                   product=args.product, rows=rows), f, indent=1)
+  write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
+                    rows=rows)
 
 
 if __name__ == "__main__":

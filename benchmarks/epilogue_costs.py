@@ -12,14 +12,13 @@ time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, timing
-from benchmarks.run import result_stem
+from benchmarks.run import write_result_json
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
 
@@ -83,10 +82,7 @@ def main(argv=None):
       rows.append(dict(seq_len=tokens, step=step, median_us=t.median_us,
                        kernels=list(zip(t.kernel_names, t.kernel_median_us))))
       print(f"S={tokens:6d} {step:42s} {t.median_us:8.1f} us", flush=True)
-  stem, date = result_stem(args.out, "epilogue_costs")
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
-                   commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
+  write_result_json(args.out, "epilogue_costs", rows=rows)
 
 
 if __name__ == "__main__":

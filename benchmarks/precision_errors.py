@@ -10,8 +10,6 @@ of README's precision table. Writes `precision_errors_<device>_<date>.json`.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +18,7 @@ from jax import lax
 
 import vision_mlp_bwd
 from benchmarks import cases
-from benchmarks.run import result_stem, todays_runs_dir
+from benchmarks.run import write_result_json, todays_runs_dir
 
 PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST,
               "f16": lax.DotAlgorithmPreset.F16_F16_F32,
@@ -62,10 +60,7 @@ def main(argv=None):
                            implementation=implementation, max_error=max(errors), errors=errors))
           print(f"S={s:5d} {dtype_name:>4} in  {precision_name:>7}  {implementation:>6}  "
                 f"worst rel. Frobenius {max(errors):.2e}", flush=True)
-  stem, date = result_stem(args.out, "precision_errors")
-  with open(stem + ".json", "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
-                   commit=os.environ.get("GIT_COMMIT", "unknown"), rows=rows), f, indent=1)
+  write_result_json(args.out, "precision_errors", rows=rows)
 
 
 if __name__ == "__main__":

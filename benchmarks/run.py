@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import os
 import platform as host_platform
 import re
@@ -208,6 +209,16 @@ def result_stem(out_dir: str, prefix: str) -> tuple[str, str]:
   device = _device_slug(jax.devices()[0].device_kind, jax.default_backend() != "gpu")
   os.makedirs(out_dir, exist_ok=True)
   return os.path.join(out_dir, f"{prefix}_{device}_{date}"), date
+
+
+def write_result_json(out_dir: str, prefix: str, **fields) -> tuple[str, str]:
+  """Writes `<result_stem>.json`: the device, date, JAX version and commit ($GIT_COMMIT),
+  then `fields`. Returns (stem, date), for any other file of the same result."""
+  stem, date = result_stem(out_dir, prefix)
+  with open(stem + ".json", "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, date=date, jax=jax.__version__,
+                   commit=os.environ.get("GIT_COMMIT", "unknown"), **fields), f, indent=1)
+  return stem, date
 
 
 def main(argv=None) -> dict:
