@@ -73,8 +73,8 @@ def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkey
   monkeypatch.setattr(timing, "device_times_us",
                       lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
   backward_configs.main(["--table", "tf32_on_f16", "--product", "pre_gelu", "--seq-lens", "8",
-                         "--size", "64x128", "--iterations", "1", "--variants", "{}", '{"stages": 3}',
-                         "--out", str(tmp_path)])
+                         "--size", "64x128", "--iterations", "1",
+                         "--variants", "{}", '{"stages": 3}', "--out", str(tmp_path)])
   [record] = list(tmp_path.glob("backward_configs_*.json"))
   rows = json.loads(record.read_text())["rows"]
   assert [(r["seq_len"], r["variant"], r["bitwise_same_as_first"]) for r in rows] == [

@@ -204,8 +204,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   the largest |value| (fp32, NaN if any is) of each column and row after them,
   `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and
   division in the kernel (the epilogue's) use the GPU's approximate instructions
-  (ex2.approx, div.approx: within 2^-22 relative). `interpret` is `plgpu.kernel`'s (Pallas's GPU interpret mode runs
-  the kernel on a CPU, unwritten output elements NaN: the tests')."""
+  (ex2.approx, div.approx: within 2^-22 relative). `interpret` is `plgpu.kernel`'s
+  (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
+  the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
     raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
                     f"b {b.dtype}.")
@@ -379,9 +380,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
-  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None, sums_smem=None,
-             reduction_turn=None, row_scale_smem=None, col_scale_smem=None, scales_arrived=None,
-             col_max_smem=None, row_max_smem=None):
+  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
+             sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
+             scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0):
