@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, timing
-from benchmarks.run import write_result_json, todays_runs_dir
+from benchmarks.run import todays_runs_dir, write_result_json
 from vision_mlp_bwd import precision as precisions
 from vision_mlp_bwd.backends.mosaic import backward_sm90
 from vision_mlp_bwd.problem import Problem

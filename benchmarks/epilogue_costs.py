@@ -38,13 +38,11 @@ STEPS = {   # name -> (table, epilogue, matmul options)
 EPILOGUES = {"multiply": lambda acc, x: acc * x, "gelu": reference.gelu_backward}
 
 
-def step_fn(step: str, tokens: int, config=None):
+def step_fn(step: str, tokens: int):
   """The jitted product of one step, `f(a, b, fc1_output, row_scale, col_scale)`."""
   table, epilogue, options = STEPS[step]
   inputs, out_dtype = TABLES[table]
-  if config is None:
-    rows = backward_sm90.TABLES.rows_for(backward_sm90.TABLES.pre_gelu, inputs)
-    config = next(c for bound, c in rows if bound is None or tokens <= bound)
+  config = backward_sm90.TABLES.config_for(backward_sm90.TABLES.pre_gelu, inputs, tokens)
   options = dict(options)
   scaled = options.pop("scaled", False)
 
@@ -72,8 +70,7 @@ def main(argv=None):
   for tokens in args.seq_lens:
     grad_output, _, _, _, fc2_weight, _, fc1_output, _ = cases.make_inputs(
         jax.random.key(tokens), tokens, hidden, intermediate)
-    a, b = grad_output.astype(jnp.float16), fc2_weight.astype(jnp.float16)
-    x = fc1_output.astype(jnp.float32)
+    a, b, x = grad_output.astype(jnp.float16), fc2_weight.astype(jnp.float16), fc1_output
     row_scale = jnp.exp2(jnp.arange(tokens, dtype=jnp.float32) % 7 - 3)
     col_scale = jnp.ones((intermediate,), jnp.float32)
     for step in args.steps:

@@ -18,7 +18,7 @@ from jax import lax
 
 import vision_mlp_bwd
 from benchmarks import cases
-from benchmarks.run import write_result_json, todays_runs_dir
+from benchmarks.run import todays_runs_dir, write_result_json
 
 PRECISIONS = {"default": None, "highest": lax.Precision.HIGHEST,
               "f16": lax.DotAlgorithmPreset.F16_F16_F32,

@@ -74,14 +74,19 @@ class Tables:
     'fp32_inputs'."""
     return table.get(inputs) or table["fp32_inputs"]
 
+  @classmethod
+  def config_for(cls, table, inputs: str, tokens: int) -> engine.GemmConfig:
+    """A product's config for these inputs at S = `tokens`: its first row bounding S."""
+    return next(c for bound, c in cls.rows_for(table, inputs)
+                if bound is None or tokens <= bound)
+
   def configs(self, problem: Problem) -> tuple[engine.GemmConfig, ...]:
     """The (pre-GELU, input gradient, weight gradients) products' configs for this problem."""
     if problem.dtype.itemsize == 2:
       inputs = "sixteen_bit_inputs"
     else:
       inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
-    pick = lambda rows: next(c for bound, c in rows if bound is None or problem.tokens <= bound)
-    return tuple(pick(self.rows_for(table, inputs))
+    return tuple(self.config_for(table, inputs, problem.tokens)
                  for table in (self.pre_gelu, self.rows, self.weight_grads))
 
 
