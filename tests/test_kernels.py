@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import vision_mlp_bwd
+from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.triton import kernels
 from vision_mlp_bwd.backends.triton.config import Config, TileConfig
 from vision_mlp_bwd import precision
@@ -267,12 +268,12 @@ def test_transposed_operands_write_every_element_of_a_poisoned_output(split_k, i
                             jnp.dtype(jnp.float32), transpose_a=True, transpose_b=True,
                             row_sums=True, lhs_in_registers=True, sum_splits_in_kernel=in_kernel)
   # The counters come from a Zeros job of an earlier launch, as in the backward.
-  [counters] = kernels.grouped_launch([kernels.Zeros(product.tiles, block=16)], [()],
+  [counters] = staging.grouped_launch([staging.Zeros(product.tiles, block=16)], [()],
                                       mode=DotMode.F32, interpret=True)
   assert counters.shape == (product.tiles,) and not counters.any()
   operands = (a, b, counters) if in_kernel else (a, b)
   poisoned = jnp.full(((1 if in_kernel else split_k) * m, n), jnp.nan, jnp.float32)
-  [(product_out, sums)] = kernels.grouped_launch([product], [operands], mode=DotMode.F32,
+  [(product_out, sums)] = staging.grouped_launch([product], [operands], mode=DotMode.F32,
                                                  out=poisoned, interpret=True)
   chex.assert_shape(product_out, (m, n))
   _assert_product_and_sums(product_out, sums, np.asarray(a, np.float64).T,
@@ -298,14 +299,15 @@ def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_casts_ride_along_in_a_launch_and_write_every_element(dtype):
   key = helpers.fresh_key()
-  x = jax.random.normal(key, (7, 37)) * 100           # 259 elements: a ragged last block
+  x = jax.random.normal(key, (7, 37)) * 100           # ragged tiles in both dimensions
   y = jax.random.normal(jax.random.fold_in(key, 1), (5, 3))
   a = jax.random.normal(jax.random.fold_in(key, 2), (20, 24))
   b = jax.random.normal(jax.random.fold_in(key, 3), (24, 36))
-  jobs = [kernels.Cast(x.shape, jnp.dtype(dtype), block=64), kernels.Cast(y.shape, jnp.dtype(dtype), block=64),
+  jobs = [staging.Cast(x.shape, jnp.dtype(dtype), block=(4, 16)),
+          staging.Cast(y.shape, jnp.dtype(dtype), block=(4, 16)),
           kernels.Product(20, 36, 24, TileConfig(16, 16, 16), jnp.dtype(jnp.float32))]
-  poisoned = jnp.full((x.size,), jnp.nan, dtype)
-  cast_x, cast_y, product = kernels.grouped_launch(jobs, [(x,), (y,), (a, b)], mode=DotMode.F32,
+  poisoned = jnp.full(x.shape, jnp.nan, dtype)
+  cast_x, cast_y, product = staging.grouped_launch(jobs, [(x,), (y,), (a, b)], mode=DotMode.F32,
                                                    out=poisoned, interpret=True)
   for cast, source in ((cast_x, x), (cast_y, y)):
     chex.assert_shape(cast, source.shape)
@@ -365,16 +367,6 @@ def test_tail_tiles_compute_the_same_gradients(variant):
   config = Config(tile, tile, dataclasses.replace(tile, split_k=2), **variant)
   ours = triton_backend.backward(*inputs, problem=problem, config=config, interpret=True)
   bounds.check_backward(ours, inputs, mode, str(variant))
-
-
-def test_cast_pads_rows_with_zeros():
-  x = jax.random.normal(helpers.fresh_key(), (13, 24)) * 100
-  [out] = kernels.grouped_launch([kernels.Cast(x.shape, jnp.float16, block=64, rows=16)],
-                                 [(x,)], mode=DotMode.F16, interpret=True)
-  chex.assert_shape(out, (16, 24))
-  chex.assert_type(out, jnp.float16)
-  chex.assert_trees_all_equal(out[:13], x.astype(jnp.float16))
-  chex.assert_trees_all_equal(out[13:], jnp.zeros((3, 24), jnp.float16))
 
 
 def test_mosaic_launch_1_needs_the_fused_casts_and_stays_off_the_cpu():

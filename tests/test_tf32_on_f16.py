@@ -24,7 +24,7 @@ import pytest
 
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.backends import triton as triton_backend
-from vision_mlp_bwd.backends.triton import kernels
+from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.triton.config import Config, TileConfig
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
@@ -72,8 +72,8 @@ def test_scales_job_gives_maxima_sums_and_the_scaled_cast(axis, parts, cast, ste
   x = jax.random.normal(key, (300, 70)) * jnp.exp2(jax.random.randint(
       jax.random.fold_in(key, 1), (300, 70), -20, 20).astype(jnp.float32))
   x = x.at[5, 7].set(jnp.inf).at[9, 3].set(jnp.nan)
-  job = kernels.Scales(x.shape, axis=axis, cast=cast, sums=True, parts=parts, block=16, step=step)
-  [(maxima, *copy, sums)] = kernels.grouped_launch([job], [(x,)], mode=DotMode.TF32,
+  job = staging.Scales(x.shape, axis=axis, cast=cast, sums=True, parts=parts, block=16, step=step)
+  [(maxima, *copy, sums)] = staging.grouped_launch([job], [(x,)], mode=DotMode.TF32,
                                                    interpret=True)
   v = np.asarray(x, np.float64)
   finite = np.where(np.isfinite(v), np.abs(v), 0.0)

@@ -1,4 +1,5 @@
-"""Pieces every backend shares: output types under `shard_map`, the manual-axes helpers, S ranges.
+"""Pieces every backend shares: output types under `shard_map`, the manual-axes helpers, S
+ranges, the fixed-order sum.
 
 Kept apart from `vision_mlp_bwd.sharding` (which imports the backends) so that
 the backends import nothing of the layer above them.
@@ -7,6 +8,7 @@ the backends import nothing of the layer above them.
 from __future__ import annotations
 
 import jax
+from jax import lax
 
 
 def _varying_axes(x):
@@ -54,3 +56,12 @@ def in_ranges(tokens: int, ranges) -> bool:
   """Whether S lies in one of the inclusive `(lo, hi)` ranges (hi None: no upper end), as
   the routing tables of the configs files write them."""
   return any(lo <= tokens and (hi is None or tokens <= hi) for lo, hi in ranges)
+
+
+def sum_in_order(x, axis: int = 0):
+  """The sum over `axis`, added first to last: a fixed order, bitwise deterministic (the
+  partial sums the kernels leave, one row per tile)."""
+  total = lax.index_in_dim(x, 0, axis, keepdims=False)
+  for i in range(1, x.shape[axis]):
+    total = total + lax.index_in_dim(x, i, axis, keepdims=False)
+  return total

@@ -1,9 +1,11 @@
 """The backward on the GEMM engine: four engine products, the GELU derivative between them.
 
 On 16-bit products (F16 or BF16 on fp32 inputs, any precision on bf16 and
-f16 inputs, as `precision.for_inputs` says; TF32 below): the operands are
-cast to the product dtype (nothing to do on 16-bit inputs), the four
-products run in the layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
+f16 inputs, as `precision.for_inputs` says; TF32 below): one staging launch
+(`backends/staging.py`) copies each input not yet in the product dtype (or
+with S not a multiple of 8) to it, and sums grad_output's columns on the same
+read (grad_fc2_bias); the four products run in the layouts the operands
+arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
 arrive by TMA while its MMAs run), stores the pre-GELU gradient once, in the
 product dtype the other two products read, and sums its columns into the
@@ -38,6 +40,7 @@ import pathlib
 import jax.numpy as jnp
 
 from vision_mlp_bwd import precision, reference
+from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic import engine
 from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
 from vision_mlp_bwd.precision import DotMode
@@ -104,21 +107,20 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                           gelu_output, tokens, configs)
   pre_config, rows_config, weight_config = configs
-  grad_out16, hidden16, gelu16 = (_pad_rows(x.astype(operand), tokens)
-                                  for x in (grad_output, hidden_state, gelu_output))
-  grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
+  (grad_out16, grad_fc2_bias), hidden16, gelu16, w1, w2 = _staged_operands(
+      grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
   grad_pre16, grad_fc1_bias = engine.matmul(
-      grad_out16, fc2_weight.astype(operand), out_dtype=operand, config=pre_config,
+      grad_out16, w2, out_dtype=operand, config=pre_config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
-  grad_hidden_state = engine.matmul(grad_pre16, fc1_weight.astype(operand), out_dtype=dtype,
+  grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype,
                                     config=rows_config)[:tokens]
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
           grad_fc2_bias.astype(dtype))
@@ -128,6 +130,33 @@ def _pad_rows(x, tokens):
   """`x` `[S, ·]` with zero rows up to `padded_rows(S)`, TMA's whole groups of 8."""
   padded = padded_rows(tokens)
   return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
+
+
+def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
+                     problem: Problem):
+  """The products' 16-bit operands and grad_fc2_bias, from one staging launch.
+
+  Each input that is not yet in the operand dtype with whole groups of 8 rows
+  is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
+  column sums (the bias gradient, of its values as given) come from the same
+  read. Returns `((grad_output, its column sums), hidden_state, gelu_output,
+  fc1_weight, fc2_weight)`."""
+  padded = padded_rows(problem.tokens)
+  arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
+  rows = (padded, padded, padded, fc1_weight.shape[0], fc2_weight.shape[0])
+  jobs = {}
+  for i, (x, x_rows) in enumerate(zip(arrays, rows)):
+    copy = x.dtype != operand or x_rows != x.shape[0]
+    if copy or i == 0:   # grad_output's column sums, always
+      jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
+                             sums=i == 0)
+  outs = dict(zip(jobs, staging.grouped_launch(
+      list(jobs.values()), [(arrays[i],) for i in jobs], mode=problem.mode,
+      name="mlp_backward_staging")))
+  staged = [outs.get(i, x) for i, x in enumerate(arrays)]
+  if not jobs[0].out_dtype:   # grad_output was only summed
+    staged[0] = (grad_output, staged[0])
+  return tuple(staged)
 
 
 def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,

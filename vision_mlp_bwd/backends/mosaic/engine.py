@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
+from vision_mlp_bwd.backends.shared import sum_in_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +278,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
   if column_sums or line_maxima:
     reduced = list(outs[1:])
-    sums = (_sum_in_order(reduced.pop(0)),) if column_sums else ()
+    sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
     maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
     return (outs[0], *sums, *maxima)
   if plan.splits == 1:
@@ -285,20 +286,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   return _write_tail(outs[0], outs[1], plan, config.block)
 
 
-def _sum_in_order(x, axis: int = 0):
-  """The sum over `axis`, added left to right: a fixed order, bitwise deterministic."""
-  total = lax.index_in_dim(x, 0, axis, keepdims=False)
-  for i in range(1, x.shape[axis]):
-    total = total + lax.index_in_dim(x, i, axis, keepdims=False)
-  return total
-
-
 def _write_tail(out, partials, plan: Schedule, block):
   """Sums each tail block's K-parts in order and writes them into the output's last blocks."""
   (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
   m, n = out.shape
   parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
-  total = _sum_in_order(parts, axis=1).astype(out.dtype)
+  total = sum_in_order(parts, axis=1).astype(out.dtype)
   first_row, first_col = divmod(plan.whole, grid_n)
   pieces = []                          # (block row, block column, blocks) of each rectangle
   if first_col:

@@ -35,7 +35,8 @@ from vision_mlp_bwd.backends.mosaic import launch_1_sm90
 from vision_mlp_bwd.backends.shared import in_shard_map
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
-from vision_mlp_bwd.backends.triton.kernels import Cast, Product, Scales, Zeros, grouped_launch
+from vision_mlp_bwd.backends.staging import Cast, Scales, Zeros, grouped_launch
+from vision_mlp_bwd.backends.triton.kernels import Product
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 

@@ -12,14 +12,10 @@ A `Product` is one `C = op(A) @ op(B)`, where `op(A)` is `A` (`[M, K]`) or
   K, which is a bias gradient when `A` is `grad_output` or the pre-GELU
   gradient, read here anyway.
 
-`grouped_launch` runs several independent jobs in one launch: the 1-D grid
-is the concatenation of their programs, each program runs the body of the
-job it belongs to. At small S every product alone fills the GPU poorly;
-grouped, their programs overlap. Besides products, a job can be a `Cast` of
-an input to a 16-bit operand dtype, so such casts ride along in a launch
-instead of taking a kernel each, or `Scales`: the largest magnitudes (and a
-scaled f16 cast) by which TF32 products run on f16 tensor cores
-(`Product.scaled_f16`, `precision.f16_scale`).
+Products run in `backends/staging.py`'s `grouped_launch`, several
+independent jobs in one launch: at small S every product alone fills the GPU
+poorly; grouped, their programs overlap, and the staging jobs (`Cast`,
+`Zeros`, `Scales`) ride along instead of taking a kernel each.
 
 Every load and store is masked, so any M, N, K runs without reading or writing
 out of bounds. Reductions never use float atomics: a split contraction writes
@@ -32,29 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct
+from vision_mlp_bwd.backends.shared import out_struct
+from vision_mlp_bwd.backends.staging import grouped_launch, load_tile, span, tile_indices
 from vision_mlp_bwd.backends.triton.config import TileConfig
 from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, f16_scale, finite_abs,
                                       fits_speculated, kernel_dot, scaled_f16_operand)
 from vision_mlp_bwd.reference import gelu_tanh_grad
-
-TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
-
-
-@functools.cache
-def _filter_triton_deprecation():
-  """JAX 0.11 warns at every Triton lowering; that one warning is expected here."""
-  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
-
 
 @dataclasses.dataclass(frozen=True)
 class Product:
@@ -111,9 +97,9 @@ class Product:
 
   def row_parts(self, pid_m):
     """The rows of row block `pid_m` as (indices, mask) parts, each with its own accumulator."""
-    parts = [_span(pid_m, self.tile.block_m, self.m)]
+    parts = [span(pid_m, self.tile.block_m, self.m)]
     if self.tail_rows:
-      parts.append(_span(self.tile.block_m // self.tail_rows, self.tail_rows, self.m))
+      parts.append(span(self.tile.block_m // self.tail_rows, self.tail_rows, self.m))
     return parts
 
   @property
@@ -199,193 +185,6 @@ class Product:
     return shapes
 
 
-@dataclasses.dataclass(frozen=True)
-class Cast:
-  """`x.astype(out_dtype)` for an input of `shape`, `block` elements per program.
-
-  With `rows` (>= shape[0]), the result has that many rows, zeros past the
-  input's (the padded operands of `launch_1_sm90.launch_1`)."""
-
-  shape: tuple[int, ...]
-  out_dtype: jnp.dtype
-  block: int = 4096
-  rows: int = 0
-
-  num_inputs = 1
-  num_outputs = 1
-  aliases = {}
-
-  @property
-  def size(self) -> int:
-    return int(np.prod(self.shape))
-
-  @property
-  def out_shape(self) -> tuple[int, ...]:
-    return (max(self.rows, self.shape[0]), *self.shape[1:])
-
-  @property
-  def out_size(self) -> int:
-    return int(np.prod(self.out_shape))
-
-  @property
-  def programs(self) -> int:
-    return pl.cdiv(self.out_size, self.block)
-
-  def check(self, operands):
-    assert len(operands) == 1 and operands[0].shape == (self.size,), (self, operands)
-
-  def out_shapes(self, like):
-    return [out_struct((self.out_size,), self.out_dtype, like)]
-
-  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del mode, interpret
-    indices, mask = _span(program, self.block, self.out_size)
-    x = plgpu.load(in_refs[0].at[indices], mask=indices < self.size, other=0.0)
-    plgpu.store(out_refs[0].at[indices], x.astype(out_refs[0].dtype), mask=mask)
-
-  def finish(self, outs):
-    return outs[0].reshape(self.out_shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Zeros:
-  """An int32 `[size]` array of zeros: the arrival counters of a later launch's product."""
-
-  size: int
-  block: int = 1024
-
-  num_inputs = 0
-  num_outputs = 1
-  aliases = {}
-
-  @property
-  def programs(self) -> int:
-    return pl.cdiv(self.size, self.block)
-
-  def check(self, operands):
-    assert not operands, operands
-
-  def out_shapes(self, like):
-    return [out_struct((self.size,), jnp.int32, like)]
-
-  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del in_refs, mode, interpret
-    indices, mask = _span(program, self.block, self.size)
-    plgpu.store(out_refs[0].at[indices], jnp.zeros((self.block,), jnp.int32), mask=mask)
-
-  def finish(self, outs):
-    return outs[0]
-
-
-@dataclasses.dataclass(frozen=True)
-class Scales:
-  """The largest finite |x| of a 2-D input `[R, C]` per column (`axis=0`) or row (`axis=1`).
-
-  These are the partial maxima a `scaled_f16` product takes: `[parts, L]`
-  (L = C or R), one row per part of the reduced axis that a program covers.
-  With `cast` (one part), also `x` scaled by the resulting powers of two and
-  cast to f16; with `sums`, also the fp32 sums along `axis`, `[parts, L]`.
-  """
-
-  shape: tuple[int, int]
-  axis: int
-  cast: bool = False
-  sums: bool = False
-  parts: int = 1
-  block: int = 32     # kept lines (columns for axis 0) per program
-  step: int = 64      # reduced lines per loop step
-
-  num_inputs = 1
-  aliases = {}
-
-  @property
-  def num_outputs(self) -> int:
-    return 1 + self.cast + self.sums
-
-  @property
-  def lines(self) -> int:
-    return self.shape[1 - self.axis]
-
-  @property
-  def programs(self) -> int:
-    return pl.cdiv(self.lines, self.block) * self.parts
-
-  def check(self, operands):
-    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
-    assert not (self.cast and self.parts > 1), self
-
-  def out_shapes(self, like):
-    shapes = [out_struct((self.parts, self.lines), jnp.float32, like)]
-    if self.cast:
-      shapes.append(out_struct(tuple(self.shape), jnp.float16, like))
-    if self.sums:
-      shapes.append(out_struct((self.parts, self.lines), jnp.float32, like))
-    return shapes
-
-  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del mode, interpret
-    blocks = pl.cdiv(self.lines, self.block)
-    part = program // blocks
-    lines, line_mask = _span(program % blocks, self.block, self.lines)
-    steps = pl.cdiv(pl.cdiv(self.shape[self.axis], self.step), self.parts)
-
-    def at(s):   # the [step, block] tile of reduced x kept lines, as stored
-      reduced, mask = _span(part * steps + s, self.step, self.shape[self.axis])
-      if self.axis == 0:
-        return _tile(reduced, mask, lines, line_mask)
-      return _tile(lines, line_mask, reduced, mask)
-
-    def load(s):
-      index, mask = at(s)
-      return plgpu.load(in_refs[0].at[index], mask=mask, other=0.0).astype(jnp.float32)
-
-    def reduce(s, carry, x=None):
-      largest, total = carry
-      x = load(s) if x is None else x
-      return (jnp.maximum(largest, jnp.max(finite_abs(x), axis=self.axis)),
-              total + jnp.sum(x, axis=self.axis))
-
-    zeros = jnp.zeros((self.block,), jnp.float32)
-    one_step = pl.cdiv(self.shape[self.axis], self.step) == 1   # then the tile is kept
-    tile = load(0) if one_step else None
-    if one_step:
-      largest, total = reduce(0, (zeros, zeros), tile)
-    else:
-      largest, total = lax.fori_loop(0, steps, reduce, (zeros, zeros))
-    plgpu.store(out_refs[0].at[part, lines], largest, mask=line_mask)
-    if self.sums:
-      plgpu.store(out_refs[-1].at[part, lines], total, mask=line_mask)
-    if self.cast:
-      scale = f16_scale(largest)
-      scale = scale[None, :] if self.axis == 0 else scale[:, None]
-
-      @pl.loop(0, steps)
-      def _(s):
-        index, mask = at(s)
-        x = tile if one_step else load(s)
-        plgpu.store(out_refs[1].at[index], scaled_f16_operand(x, scale), mask=mask)
-
-  def finish(self, outs):
-    return tuple(outs)
-
-
-def _span(block_index, block_size, extent):
-  """Indices of one tile along an axis and the mask of those inside `extent`."""
-  indices = block_index * block_size + jnp.arange(block_size)
-  return indices, indices < extent
-
-
-def _tile(rows, row_mask, cols, col_mask):
-  """Index and mask of the `[len(rows), len(cols)]` tile of a 2-D ref."""
-  return (rows[:, None], cols[None, :]), row_mask[:, None] & col_mask[None, :]
-
-
-def _load(ref, rows, row_mask, cols, col_mask):
-  """A zero-padded `[len(rows), len(cols)]` tile of a 2-D ref."""
-  index, mask = _tile(rows, row_mask, cols, col_mask)
-  return plgpu.load(ref.at[index], mask=mask, other=0.0)
-
-
 def _max_of_parts(ref, index, mask):
   """max over the first axis of partial maxima `ref [parts, L]`, at `index` along L."""
   parts = ref.shape[0]
@@ -413,7 +212,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   out_ref, *row_sum_ref = out_refs[:1 + p.row_sums]
   t = p.tile
   parts = p.row_parts(pid_m)        # [(rows, row_mask)]
-  cols, col_mask = _span(pid_n, t.block_n, p.n)
+  cols, col_mask = span(pid_n, t.block_n, p.n)
   steps = p.k_steps
   b_k_axis = 1 if p.transpose_b else 0
   scales_a = [None] * len(parts)
@@ -432,12 +231,12 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   def load(ks, k_mask):
     """The A tiles (one per part of the rows) and the B tile of contraction slice `ks`."""
     if p.transpose_a:
-      a = [_load(a_ref, ks, k_mask, rows, mask) for rows, mask in parts]   # [bk, rows]
+      a = [load_tile(a_ref, ks, k_mask, rows, mask) for rows, mask in parts]   # [bk, rows]
     else:
-      a = [_load(a_ref, rows, mask, ks, k_mask) for rows, mask in parts]   # [rows, bk]
+      a = [load_tile(a_ref, rows, mask, ks, k_mask) for rows, mask in parts]   # [rows, bk]
     if p.transpose_b:
-      return a, _load(b_ref, cols, col_mask, ks, k_mask)                   # [bn, bk]
-    return a, _load(b_ref, ks, k_mask, cols, col_mask)                     # [bk, bn]
+      return a, load_tile(b_ref, cols, col_mask, ks, k_mask)                   # [bn, bk]
+    return a, load_tile(b_ref, ks, k_mask, cols, col_mask)                     # [bk, bn]
 
   def multiply(tiles, accs, sums, scale_b):
     """The accumulators (and row sums) plus one contraction step's products."""
@@ -465,7 +264,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
 
     def step(s, carry):
       accs, sums, b_max = carry
-      tiles = load(*_span(pid_k * steps + s, t.block_k, p.k))
+      tiles = load(*span(pid_k * steps + s, t.block_k, p.k))
       accs, sums = multiply(tiles, accs, sums, scale_b)
       if p.speculate_b:   # elementwise here, reduced over K once after the loop
         b_max = jnp.maximum(b_max, finite_abs(tiles[1]))
@@ -492,7 +291,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
   # (tile, its rows, row mask, columns, column mask)
   pieces = [(acc, rows, row_mask, cols, col_mask) for acc, (rows, row_mask) in zip(accs, parts)]
   if p.fuse_gelu:
-    pieces = [(acc * gelu_tanh_grad(_load(x_ref[0], *piece).astype(jnp.float32)), *piece)
+    pieces = [(acc * gelu_tanh_grad(load_tile(x_ref[0], *piece).astype(jnp.float32)), *piece)
               for acc, *piece in pieces]
   if p.f16_outputs:
     _store_f16_outputs(p, pid_m, pid_n, pieces, b_max, out_refs[1 + p.row_sums:5 + p.row_sums],
@@ -503,7 +302,7 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
                           counter_ref, interpret)
   else:
     for acc, rows, *masks_and_cols in pieces:   # this split's rows of a split output
-      index, mask = _tile(pid_k * p.m + rows, *masks_and_cols)
+      index, mask = tile_indices(pid_k * p.m + rows, *masks_and_cols)
       plgpu.store(out_ref.at[index], acc.astype(out_ref.dtype), mask=mask)
   if p.row_sums:
     @pl.when(pid_n == 0)
@@ -515,12 +314,12 @@ def _output_tile(p: Product, pid_m, pid_n, pid_k, in_refs, out_refs, mode: DotMo
 def _store_f16_outputs(p: Product, pid_m, pid_n, pieces, b_max, refs, a_k_max_ref):
   """`Product.f16_outputs`: row maxima, column sums, the bound-scaled f16 copy and the bound."""
   row_max_ref, col_sum_ref, copy_ref, bound_ref = refs
-  ks, k_mask = _span(0, pl.next_power_of_2(p.k), p.k)
+  ks, k_mask = span(0, pl.next_power_of_2(p.k), p.k)
   bound = 2.0 * p.k * jnp.max(_max_of_parts(a_k_max_ref, ks, k_mask)) * b_max
   copy_scale = f16_scale(bound)[None, :]
   col_sums = 0.0
   for acc, rows, row_mask, cols, col_mask in pieces:
-    index, mask = _tile(rows, row_mask, cols, col_mask)
+    index, mask = tile_indices(rows, row_mask, cols, col_mask)
     plgpu.store(row_max_ref.at[pid_n, rows],
                 jnp.max(jnp.where(mask, finite_abs(acc), 0.0), axis=1), mask=row_mask)
     col_sums = col_sums + jnp.sum(jnp.where(mask, acc, 0.0), axis=0)
@@ -543,7 +342,7 @@ def _sum_splits_when_last(p: Product, tile_index, pid_k, pieces, out_ref, partia
   split_rows = p.m
 
   def at(split, rows, row_mask, cols, col_mask):   # a piece's tile in split `split`'s partial
-    return _tile(split * split_rows + rows, row_mask, cols, col_mask)
+    return tile_indices(split * split_rows + rows, row_mask, cols, col_mask)
 
   for acc, *piece in pieces:
     index, mask = at(pid_k, *piece)
@@ -559,78 +358,7 @@ def _sum_splits_when_last(p: Product, tile_index, pid_k, pieces, out_ref, partia
       total = plgpu.load(partial_ref.at[index], mask=mask, other=0.0)
       for split in range(1, p.tile.split_k):
         total += plgpu.load(partial_ref.at[at(split, *piece)[0]], mask=mask, other=0.0)
-      plgpu.store(out_ref.at[_tile(*piece)[0]], total.astype(out_ref.dtype), mask=mask)
-
-
-def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
-  n_in = sum(job.num_inputs for job in jobs)
-  in_refs, out_refs = refs[:n_in], refs[n_in + aliased:]
-  pid = pl.program_id(0)
-  first = 0
-  for job in jobs:
-    ins, in_refs = in_refs[:job.num_inputs], in_refs[job.num_inputs:]
-    outs, out_refs = out_refs[:job.num_outputs], out_refs[job.num_outputs:]
-    if len(jobs) == 1:
-      job.run(pid, ins, outs, mode, interpret)
-    else:
-      @pl.when((pid >= first) & (pid < first + job.programs))
-      def _(job=job, ins=ins, outs=outs, first=first):
-        job.run(pid - first, ins, outs, mode, interpret)
-    first += job.programs
-
-
-def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
-                   name="grouped_launch"):
-  """Runs `jobs` (`Product`s, `Cast`s, `Zeros`, with `operands[i]` for each) in one launch.
-
-  Returns, per job: for a product, the product `[M, N]` in its `out_dtype`
-  (split contractions summed in fp32 first), or `(product, row_sums [M])`
-  where it asks for row sums; for a cast or zeros, the array. `out`, if given, is
-  the buffer the first job writes its first output into (aliased); tests pass
-  a NaN-filled one to prove that every element is written. Warps and
-  pipeline depth are the first product's.
-  """
-  operands = [(ops[0].reshape(-1),) if isinstance(job, Cast) else tuple(ops)
-              for job, ops in zip(jobs, operands, strict=True)]
-  for job, ops in zip(jobs, operands):
-    job.check(ops)
-  inputs = [x for ops in operands for x in ops] + ([out] if out is not None else [])
-  inputs = list(match_varying_axes(*inputs))
-  if out is not None:
-    *inputs, out = inputs
-  like = inputs[0] if inputs else None
-  out_shapes = [s for job in jobs for s in job.out_shapes(like=like)]
-  if out is not None:
-    assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
-  _filter_triton_deprecation()
-  tiles = [job.tile for job in jobs if isinstance(job, Product)]
-  warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (4, 1)
-  outs = pl.pallas_call(
-      functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None,
-                        interpret=interpret),
-      out_shape=out_shapes,
-      grid=(sum(job.programs for job in jobs),),
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-      input_output_aliases=_aliases(jobs, extra_input=len(inputs) if out is not None else None),
-      interpret=interpret,
-      name=name,
-  )(*inputs, *([out] if out is not None else []))
-  results = []
-  for job in jobs:
-    results.append(job.finish(outs[:job.num_outputs]))
-    outs = outs[job.num_outputs:]
-  return results
-
-
-def _aliases(jobs, extra_input=None):
-  """pallas_call's input -> output aliases: each job's own, and `extra_input` -> output 0."""
-  aliases, first_in, first_out = {}, 0, 0
-  for job in jobs:
-    aliases.update({first_in + i: first_out + o for i, o in job.aliases.items()})
-    first_in, first_out = first_in + job.num_inputs, first_out + job.num_outputs
-  if extra_input is not None:
-    aliases[extra_input] = 0
-  return aliases
+      plgpu.store(out_ref.at[tile_indices(*piece)[0]], total.astype(out_ref.dtype), mask=mask)
 
 
 def tiled_matmul(a, b, *, tile: TileConfig, mode: DotMode, out_dtype, transpose_a=False,

@@ -1,0 +1,318 @@
+"""One Pallas-Triton launch of independent jobs, and the jobs that stage a backward's operands.
+
+`grouped_launch` runs several jobs in one launch: the 1-D grid is the
+concatenation of their programs, each program runs the body of the job it
+belongs to. A job is a `Cast` (a 16-bit copy of an input, zero rows
+appended, its column sums on the way), `Zeros` (arrival counters), `Scales`
+(the largest magnitudes, and a scaled f16 cast, by which TF32 products run on
+f16 tensor cores: `precision.f16_scale`), or one of the Triton backend's
+products (`backends/triton/kernels.py`). Both backends stage their operands
+with these jobs: the Mosaic backend's four products read what one such launch
+writes.
+
+Every load and store is masked, so any shape runs without reading or writing
+out of bounds. Sums never use float atomics: each row of tiles writes its own
+partial sums, added in a fixed order afterwards.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
+from vision_mlp_bwd.precision import DotMode, f16_scale, finite_abs, scaled_f16_operand
+
+TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
+
+
+@functools.cache
+def filter_triton_deprecation():
+  """JAX 0.11 warns at every Triton lowering; that one warning is expected here."""
+  warnings.filterwarnings("ignore", message=TRITON_DEPRECATION, category=DeprecationWarning)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cast:
+  """`x.astype(out_dtype)` of a 2-D input `[R, C]`, in `block` tiles, one per program.
+
+  With `rows` (>= R), the copy has that many rows, zeros past x's (the padded
+  operands of the Mosaic engine and `launch_1_sm90.launch_1`). With `sums`,
+  it also returns the fp32 sums of x's columns (a bias gradient), from one
+  row of partial sums per row of tiles, added in a fixed order: `(copy,
+  sums)`, or the sums alone with `out_dtype=None` (an input already in its
+  operand dtype)."""
+
+  shape: tuple[int, int]
+  out_dtype: jnp.dtype | None
+  rows: int = 0
+  sums: bool = False
+  block: tuple[int, int] = (32, 256)
+
+  num_inputs = 1
+  aliases = {}
+
+  @property
+  def out_rows(self) -> int:
+    return max(self.rows, self.shape[0]) if self.out_dtype is not None else self.shape[0]
+
+  @property
+  def grid(self) -> tuple[int, int]:
+    return pl.cdiv(self.out_rows, self.block[0]), pl.cdiv(self.shape[1], self.block[1])
+
+  @property
+  def num_outputs(self) -> int:
+    return (self.out_dtype is not None) + self.sums
+
+  @property
+  def programs(self) -> int:
+    return self.grid[0] * self.grid[1]
+
+  def check(self, operands):
+    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
+    assert self.out_dtype is not None or self.sums, self
+
+  def out_shapes(self, like):
+    shapes = []
+    if self.out_dtype is not None:
+      shapes.append(out_struct((self.out_rows, self.shape[1]), self.out_dtype, like))
+    if self.sums:
+      shapes.append(out_struct((self.grid[0], self.shape[1]), jnp.float32, like))
+    return shapes
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    row_block, col_block = program // self.grid[1], program % self.grid[1]
+    rows, row_mask = span(row_block, self.block[0], self.out_rows)
+    cols, col_mask = span(col_block, self.block[1], self.shape[1])
+    x = load_tile(in_refs[0], rows, rows < self.shape[0], cols, col_mask)
+    if self.out_dtype is not None:
+      index, mask = tile_indices(rows, row_mask, cols, col_mask)
+      plgpu.store(out_refs[0].at[index], x.astype(out_refs[0].dtype), mask=mask)
+    if self.sums:
+      plgpu.store(out_refs[-1].at[row_block, cols], jnp.sum(x.astype(jnp.float32), axis=0),
+                  mask=col_mask)
+
+  def finish(self, outs):
+    if not self.sums:
+      return outs[0]
+    sums = sum_in_order(outs[-1])
+    return (outs[0], sums) if self.out_dtype is not None else sums
+
+
+@dataclasses.dataclass(frozen=True)
+class Zeros:
+  """An int32 `[size]` array of zeros: the arrival counters of a later launch's product."""
+
+  size: int
+  block: int = 1024
+
+  num_inputs = 0
+  num_outputs = 1
+  aliases = {}
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.size, self.block)
+
+  def check(self, operands):
+    assert not operands, operands
+
+  def out_shapes(self, like):
+    return [out_struct((self.size,), jnp.int32, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del in_refs, mode, interpret
+    indices, mask = span(program, self.block, self.size)
+    plgpu.store(out_refs[0].at[indices], jnp.zeros((self.block,), jnp.int32), mask=mask)
+
+  def finish(self, outs):
+    return outs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Scales:
+  """The largest finite |x| of a 2-D input `[R, C]` per column (`axis=0`) or row (`axis=1`).
+
+  These are the partial maxima a `scaled_f16` product takes: `[parts, L]`
+  (L = C or R), one row per part of the reduced axis that a program covers.
+  With `cast` (one part), also `x` scaled by the resulting powers of two and
+  cast to f16; with `sums`, also the fp32 sums along `axis`, `[parts, L]`.
+  """
+
+  shape: tuple[int, int]
+  axis: int
+  cast: bool = False
+  sums: bool = False
+  parts: int = 1
+  block: int = 32     # kept lines (columns for axis 0) per program
+  step: int = 64      # reduced lines per loop step
+
+  num_inputs = 1
+  aliases = {}
+
+  @property
+  def num_outputs(self) -> int:
+    return 1 + self.cast + self.sums
+
+  @property
+  def lines(self) -> int:
+    return self.shape[1 - self.axis]
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.lines, self.block) * self.parts
+
+  def check(self, operands):
+    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
+    assert not (self.cast and self.parts > 1), self
+
+  def out_shapes(self, like):
+    shapes = [out_struct((self.parts, self.lines), jnp.float32, like)]
+    if self.cast:
+      shapes.append(out_struct(tuple(self.shape), jnp.float16, like))
+    if self.sums:
+      shapes.append(out_struct((self.parts, self.lines), jnp.float32, like))
+    return shapes
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    blocks = pl.cdiv(self.lines, self.block)
+    part = program // blocks
+    lines, line_mask = span(program % blocks, self.block, self.lines)
+    steps = pl.cdiv(pl.cdiv(self.shape[self.axis], self.step), self.parts)
+
+    def at(s):   # the [step, block] tile of reduced x kept lines, as stored
+      reduced, mask = span(part * steps + s, self.step, self.shape[self.axis])
+      if self.axis == 0:
+        return tile_indices(reduced, mask, lines, line_mask)
+      return tile_indices(lines, line_mask, reduced, mask)
+
+    def load(s):
+      index, mask = at(s)
+      return plgpu.load(in_refs[0].at[index], mask=mask, other=0.0).astype(jnp.float32)
+
+    def reduce(s, carry, x=None):
+      largest, total = carry
+      x = load(s) if x is None else x
+      return (jnp.maximum(largest, jnp.max(finite_abs(x), axis=self.axis)),
+              total + jnp.sum(x, axis=self.axis))
+
+    zeros = jnp.zeros((self.block,), jnp.float32)
+    one_step = pl.cdiv(self.shape[self.axis], self.step) == 1   # then the tile is kept
+    tile = load(0) if one_step else None
+    if one_step:
+      largest, total = reduce(0, (zeros, zeros), tile)
+    else:
+      largest, total = lax.fori_loop(0, steps, reduce, (zeros, zeros))
+    plgpu.store(out_refs[0].at[part, lines], largest, mask=line_mask)
+    if self.sums:
+      plgpu.store(out_refs[-1].at[part, lines], total, mask=line_mask)
+    if self.cast:
+      scale = f16_scale(largest)
+      scale = scale[None, :] if self.axis == 0 else scale[:, None]
+
+      @pl.loop(0, steps)
+      def _(s):
+        index, mask = at(s)
+        x = tile if one_step else load(s)
+        plgpu.store(out_refs[1].at[index], scaled_f16_operand(x, scale), mask=mask)
+
+  def finish(self, outs):
+    return tuple(outs)
+
+
+def span(block_index, block_size, extent):
+  """Indices of one tile along an axis and the mask of those inside `extent`."""
+  indices = block_index * block_size + jnp.arange(block_size)
+  return indices, indices < extent
+
+
+def tile_indices(rows, row_mask, cols, col_mask):
+  """Index and mask of the `[len(rows), len(cols)]` tile of a 2-D ref."""
+  return (rows[:, None], cols[None, :]), row_mask[:, None] & col_mask[None, :]
+
+
+def load_tile(ref, rows, row_mask, cols, col_mask):
+  """A zero-padded `[len(rows), len(cols)]` tile of a 2-D ref."""
+  index, mask = tile_indices(rows, row_mask, cols, col_mask)
+  return plgpu.load(ref.at[index], mask=mask, other=0.0)
+
+
+
+def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
+  n_in = sum(job.num_inputs for job in jobs)
+  in_refs, out_refs = refs[:n_in], refs[n_in + aliased:]
+  pid = pl.program_id(0)
+  first = 0
+  for job in jobs:
+    ins, in_refs = in_refs[:job.num_inputs], in_refs[job.num_inputs:]
+    outs, out_refs = out_refs[:job.num_outputs], out_refs[job.num_outputs:]
+    if len(jobs) == 1:
+      job.run(pid, ins, outs, mode, interpret)
+    else:
+      @pl.when((pid >= first) & (pid < first + job.programs))
+      def _(job=job, ins=ins, outs=outs, first=first):
+        job.run(pid - first, ins, outs, mode, interpret)
+    first += job.programs
+
+
+def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
+                   name="grouped_launch"):
+  """Runs `jobs` (products, `Cast`s, `Zeros`, `Scales`, `operands[i]` for each) in one launch.
+
+  Returns, per job: for a product, the product `[M, N]` in its `out_dtype`
+  (split contractions summed in fp32 first), or `(product, row_sums [M])`
+  where it asks for row sums; for a cast or zeros, the array. `out`, if given, is
+  the buffer the first job writes its first output into (aliased); tests pass
+  a NaN-filled one to prove that every element is written. Warps and
+  pipeline depth are the first product's.
+  """
+  operands = [tuple(ops) for ops in operands]
+  if len(operands) != len(jobs):
+    raise ValueError(f"grouped_launch: {len(jobs)} jobs but {len(operands)} operand tuples.")
+  for job, ops in zip(jobs, operands):
+    job.check(ops)
+  inputs = [x for ops in operands for x in ops] + ([out] if out is not None else [])
+  inputs = list(match_varying_axes(*inputs))
+  if out is not None:
+    *inputs, out = inputs
+  like = inputs[0] if inputs else None
+  out_shapes = [s for job in jobs for s in job.out_shapes(like=like)]
+  if out is not None:
+    assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
+  filter_triton_deprecation()
+  tiles = [job.tile for job in jobs if hasattr(job, "tile")]   # the products' TileConfigs
+  warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (4, 1)
+  outs = pl.pallas_call(
+      functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None,
+                        interpret=interpret),
+      out_shape=out_shapes,
+      grid=(sum(job.programs for job in jobs),),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+      input_output_aliases=_aliases(jobs, extra_input=len(inputs) if out is not None else None),
+      interpret=interpret,
+      name=name,
+  )(*inputs, *([out] if out is not None else []))
+  results = []
+  for job in jobs:
+    results.append(job.finish(outs[:job.num_outputs]))
+    outs = outs[job.num_outputs:]
+  return results
+
+
+def _aliases(jobs, extra_input=None):
+  """pallas_call's input -> output aliases: each job's own, and `extra_input` -> output 0."""
+  aliases, first_in, first_out = {}, 0, 0
+  for job in jobs:
+    aliases.update({first_in + i: first_out + o for i, o in job.aliases.items()})
+    first_in, first_out = first_in + job.num_inputs, first_out + job.num_outputs
+  if extra_input is not None:
+    aliases[extra_input] = 0
+  return aliases
