@@ -40,70 +40,142 @@ def filter_triton_deprecation():
 
 @dataclasses.dataclass(frozen=True)
 class Cast:
-  """`x.astype(out_dtype)` of a 2-D input `[R, C]`, in `block` tiles, one per program.
+  """One pass over a 2-D input `x [R, C]` in `block` tiles: its 16-bit copies and the
+  reductions the products need.
 
-  With `rows` (>= R), the copy has that many rows, zeros past x's (the padded
-  operands of the Mosaic engine and `launch_1_sm90.launch_1`). With `sums`,
-  it also returns the fp32 sums of x's columns (a bias gradient), from one
-  row of partial sums per row of tiles, added in a fixed order: `(copy,
-  sums)`, or the sums alone with `out_dtype=None` (an input already in its
-  operand dtype)."""
+  - Copies (with `out_dtype`): `x.astype(out_dtype)`, or with `scales`, one
+    f16 copy per entry, `x` times a power-of-two scale per column
+    (`"columns"`, an input `[C]`) or per row (`"rows"`, `[R]`): the TF32
+    operands of `precision.py`'s scaling. With `rows` (>= R) a copy has that
+    many rows, zeros past x's (the padded operands of the Mosaic engine).
+  - `sums`: the fp32 sums of x's columns (a bias gradient).
+  - `maxima`: the largest finite |x| of each column and each row (NaN and
+    Inf count as 0, `precision.finite_abs`), from which the scales come.
+
+  A program covers `block[1]` columns and, when it reduces, a band of
+  `block[0]`-row tiles (at most `MAX_PARTS` bands: few partial sums to
+  add), one tile otherwise. Its partial sums are added in band order.
+  Returns the copies, then the sums, column maxima and row maxima, as asked:
+  one array alone, or a tuple.
+  """
 
   shape: tuple[int, int]
   out_dtype: jnp.dtype | None
   rows: int = 0
   sums: bool = False
+  maxima: bool = False
+  scales: tuple[str, ...] = ()
   block: tuple[int, int] = (32, 256)
 
-  num_inputs = 1
+  MAX_PARTS = 16
   aliases = {}
 
   @property
+  def num_inputs(self) -> int:
+    return 1 + len(self.scales)
+
+  @property
+  def copies(self) -> int:
+    return 0 if self.out_dtype is None else max(len(self.scales), 1)
+
+  @property
   def out_rows(self) -> int:
-    return max(self.rows, self.shape[0]) if self.out_dtype is not None else self.shape[0]
+    return max(self.rows, self.shape[0]) if self.copies else self.shape[0]
+
+  @property
+  def steps(self) -> int:
+    """Row tiles per program."""
+    tiles = pl.cdiv(self.out_rows, self.block[0])
+    return pl.cdiv(tiles, self.MAX_PARTS) if self.sums or self.maxima else 1
 
   @property
   def grid(self) -> tuple[int, int]:
-    return pl.cdiv(self.out_rows, self.block[0]), pl.cdiv(self.shape[1], self.block[1])
+    """(bands of rows, blocks of columns)."""
+    return (pl.cdiv(self.out_rows, self.block[0] * self.steps),
+            pl.cdiv(self.shape[1], self.block[1]))
 
   @property
   def num_outputs(self) -> int:
-    return (self.out_dtype is not None) + self.sums
+    return self.copies + self.sums + 2 * self.maxima
 
   @property
   def programs(self) -> int:
     return self.grid[0] * self.grid[1]
 
   def check(self, operands):
-    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
-    assert self.out_dtype is not None or self.sums, self
+    r, c = self.shape
+    assert operands[0].shape == (r, c) and len(operands) == self.num_inputs, (self, operands)
+    for kind, scale in zip(self.scales, operands[1:]):
+      assert kind in ("columns", "rows") and scale.shape == ((c,) if kind == "columns" else (r,)), (
+          self, scale.shape)
+    assert not self.scales or self.out_dtype == jnp.float16, self
+    assert self.num_outputs, self
 
   def out_shapes(self, like):
-    shapes = []
-    if self.out_dtype is not None:
-      shapes.append(out_struct((self.out_rows, self.shape[1]), self.out_dtype, like))
+    (bands, col_blocks), (r, c) = self.grid, self.shape
+    shapes = [out_struct((self.out_rows, c), self.out_dtype, like)
+              for _ in range(self.copies)]
     if self.sums:
-      shapes.append(out_struct((self.grid[0], self.shape[1]), jnp.float32, like))
+      shapes.append(out_struct((bands, c), jnp.float32, like))
+    if self.maxima:
+      shapes += [out_struct((bands, c), jnp.float32, like),
+                 out_struct((col_blocks, r), jnp.float32, like)]
     return shapes
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
     del mode, interpret
-    row_block, col_block = program // self.grid[1], program % self.grid[1]
-    rows, row_mask = span(row_block, self.block[0], self.out_rows)
-    cols, col_mask = span(col_block, self.block[1], self.shape[1])
-    x = load_tile(in_refs[0], rows, rows < self.shape[0], cols, col_mask)
-    if self.out_dtype is not None:
+    (r, c), (block_rows, block_cols) = self.shape, self.block
+    band, col_block = program // self.grid[1], program % self.grid[1]
+    cols, col_mask = span(col_block, block_cols, c)
+    copy_refs, out_refs = out_refs[:self.copies], list(out_refs[self.copies:])
+    sums_ref = out_refs.pop(0) if self.sums else None
+    col_max_ref, row_max_ref = out_refs if self.maxima else (None, None)
+    col_scales = {i: plgpu.load(ref.at[cols], mask=col_mask, other=1.0)
+                  for i, (kind, ref) in enumerate(zip(self.scales, in_refs[1:]))
+                  if kind == "columns"}
+
+    def step(s, carry):
+      total, largest = carry
+      rows, row_mask = span(band * self.steps + s, block_rows, self.out_rows)
+      in_x = rows < r
+      x = load_tile(in_refs[0], rows, in_x, cols, col_mask)   # zeros past R
       index, mask = tile_indices(rows, row_mask, cols, col_mask)
-      plgpu.store(out_refs[0].at[index], x.astype(out_refs[0].dtype), mask=mask)
+      for i, copy_ref in enumerate(copy_refs):
+        if not self.scales:
+          value = x.astype(copy_ref.dtype)
+        elif i in col_scales:
+          value = scaled_f16_operand(x, col_scales[i][None, :])
+        else:
+          row_scale = plgpu.load(in_refs[1 + i].at[rows], mask=in_x, other=1.0)
+          value = scaled_f16_operand(x, row_scale[:, None])
+        plgpu.store(copy_ref.at[index], value, mask=mask)
+      if self.sums:
+        total = total + jnp.sum(x.astype(jnp.float32), axis=0)
+      if self.maxima:
+        magnitude = finite_abs(x)
+        largest = jnp.maximum(largest, jnp.max(magnitude, axis=0))
+        plgpu.store(row_max_ref.at[col_block, rows], jnp.max(magnitude, axis=1), mask=in_x)
+      return total, largest
+
+    zeros = jnp.zeros((block_cols,), jnp.float32)
+    if self.steps == 1:
+      total, largest = step(0, (zeros, zeros))
+    else:
+      total, largest = lax.fori_loop(0, self.steps, step, (zeros, zeros))
     if self.sums:
-      plgpu.store(out_refs[-1].at[row_block, cols], jnp.sum(x.astype(jnp.float32), axis=0),
-                  mask=col_mask)
+      plgpu.store(sums_ref.at[band, cols], total, mask=col_mask)
+    if self.maxima:
+      plgpu.store(col_max_ref.at[band, cols], largest, mask=col_mask)
 
   def finish(self, outs):
-    if not self.sums:
-      return outs[0]
-    sums = sum_in_order(outs[-1])
-    return (outs[0], sums) if self.out_dtype is not None else sums
+    outs = list(outs)
+    results = outs[:self.copies]
+    partial = outs[self.copies:]
+    if self.sums:
+      results.append(sum_in_order(partial.pop(0)))
+    if self.maxima:
+      results += [jnp.max(m, axis=0) for m in partial]   # exact in any order
+    return results[0] if len(results) == 1 else tuple(results)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,15 +20,18 @@ TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
-the accumulator by the reciprocal scales. The pre-GELU product's epilogue
-then runs on unscaled values, as on 16-bit products; its output stays fp32.
-It also returns the bias gradient (the sums of its fp32 columns) and the
-largest |value| of each row and column, which give the scales of the two
-f16 copies of it that the products after it read (XLA casts them).
+the accumulator by the reciprocal scales. One staging launch finds every
+input's line maxima (and grad_output's column sums), a second writes the
+scaled f16 copies. The pre-GELU product's epilogue then runs on unscaled
+values, as on 16-bit products; its output stays fp32. It also returns the
+bias gradient (the sums of its fp32 columns) and the largest |value| of
+each row and column, the scales of the two f16 copies of it that the
+products after it read (a third staging launch writes both from one read).
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
-S-row operands are padded with zero rows (which add nothing to any sum:
-gelu'(0) times a zero row is zero) and the input gradient is cut back.
+S-row operands are padded with zero rows by the staging launch (which add
+nothing to any sum: gelu'(0) times a zero row is zero) and the input
+gradient is cut back.
 """
 
 from __future__ import annotations
@@ -97,18 +100,22 @@ TABLES = Tables.load()
 
 
 def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
-             gelu_output, problem: Problem, tables: Tables = TABLES):
-  """The five gradients for 2-D activations `[S, ·]`, with the engine's products."""
+             gelu_output, problem: Problem, tables: Tables = TABLES, interpret: bool = False):
+  """The five gradients for 2-D activations `[S, ·]`, with the engine's products.
+
+  `interpret` runs the staging launches in Pallas interpret mode (the CPU tests', which
+  stand jnp in for the engine)."""
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
   mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
   operand = mode.operand_dtype
   configs = tables.configs(problem)
   if mode == DotMode.TF32:
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
-                          gelu_output, tokens, configs)
+                          gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
   (grad_out16, grad_fc2_bias), hidden16, gelu16, w1, w2 = _staged_operands(
-      grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem)
+      grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
+      interpret)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
@@ -126,14 +133,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           grad_fc2_bias.astype(dtype))
 
 
-def _pad_rows(x, tokens):
-  """`x` `[S, ·]` with zero rows up to `padded_rows(S)`, TMA's whole groups of 8."""
-  padded = padded_rows(tokens)
-  return x if padded == tokens else jnp.pad(x, ((0, padded - tokens), (0, 0)))
-
-
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem):
+                     problem: Problem, interpret: bool):
   """The products' 16-bit operands and grad_fc2_bias, from one staging launch.
 
   Each input that is not yet in the operand dtype with whole groups of 8 rows
@@ -152,7 +153,7 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
                              sums=i == 0)
   outs = dict(zip(jobs, staging.grouped_launch(
       list(jobs.values()), [(arrays[i],) for i in jobs], mode=problem.mode,
-      name="mlp_backward_staging")))
+      interpret=interpret, name="mlp_backward_staging")))
   staged = [outs.get(i, x) for i, x in enumerate(arrays)]
   if not jobs[0].out_dtype:   # grad_output was only summed
     staged[0] = (grad_output, staged[0])
@@ -160,40 +161,57 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
 
 
 def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
-                   tokens, configs):
+                   problem: Problem, configs, interpret: bool):
   """The backward's TF32 products on the f16 engine (see the module docstring), fp32 inputs."""
   pre_config, rows_config, weight_config = configs
-  pad = lambda x: _pad_rows(x, tokens)
+  padded, f16 = padded_rows(problem.tokens), jnp.dtype(jnp.float16)
+  Cast = staging.Cast
+
+  def launch(jobs, name):
+    return staging.grouped_launch([job for job, _ in jobs], [ops for _, ops in jobs],
+                                  mode=problem.mode, interpret=interpret, name=name)
 
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
-    op(a), b's per column), in fp32; the engine's other outputs after it."""
-    row_unscale = _pad_rows(1 / a_scale.reshape(-1, 1), a_scale.size).reshape(-1)   # as op(a)
-    out = engine.matmul(pad(a), b, transpose_a=transpose_a, out_dtype=jnp.float32,
-                        config=config, row_scale=row_unscale, col_scale=1 / b_scale.reshape(-1),
-                        **epilogue)
-    return (out[0][:a_scale.size], *out[1:]) if epilogue else out[:a_scale.size]
+    op(a), zero past them: padded rows; b's per column), in fp32."""
+    m = a.shape[1] if transpose_a else a.shape[0]
+    row_unscale = jnp.zeros((m,), jnp.float32).at[:a_scale.size].set(1 / a_scale)
+    return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
+                         row_scale=row_unscale, col_scale=1 / b_scale, **epilogue)
 
-  grad_fc2_bias = jnp.sum(grad_output, axis=0)
-  dy_by_column, dy_column_scale = precision.scaled_f16_along(grad_output, 0)
-  gelu16, gelu_scale = precision.scaled_f16_along(gelu_output, 0)
-  grad_fc2_weight = product(dy_by_column, dy_column_scale, pad(gelu16), gelu_scale,
-                            weight_config, transpose_a=True)
-  dy_by_row, dy_row_scale = precision.scaled_f16_along(grad_output, 1)
-  w2, w2_scale = precision.scaled_f16_along(fc2_weight, 0)
-  # Padded rows stay zero: their accumulators are, and so is gelu'(0) times them. The
-  # epilogue also sums the columns (the bias gradient) and finds the largest |value| of
-  # each column and row: the scales of the pre-GELU gradient's two f16 copies.
+  # One pass over every input for its line maxima (and grad_output's column sums, the bias
+  # gradient), one for the scaled f16 copies the products read.
+  inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
+  (grad_fc2_bias, *dy_maxima), *maxima = launch(
+      [(Cast(x.shape, None, sums=x is grad_output, maxima=True), (x,)) for x in inputs],
+      "mlp_backward_maxima")
+  dy_column_scale, dy_row_scale = (precision.f16_scale(m) for m in dy_maxima)
+  gelu_scale, x_scale, w1_scale, w2_scale = (precision.f16_scale(column_max)
+                                             for column_max, _ in maxima)
+  by_columns = lambda x, rows=0: Cast(x.shape, f16, rows=rows, scales=("columns",))
+  (dy_by_column, dy_by_row), gelu16, x16, w1, w2 = launch([
+      (Cast(grad_output.shape, f16, rows=padded, scales=("columns", "rows")),
+       (grad_output, dy_column_scale, dy_row_scale)),
+      (by_columns(gelu_output, padded), (gelu_output, gelu_scale)),
+      (by_columns(hidden_state, padded), (hidden_state, x_scale)),
+      (by_columns(fc1_weight), (fc1_weight, w1_scale)),
+      (by_columns(fc2_weight), (fc2_weight, w2_scale))], "mlp_backward_staging")
+  grad_fc2_weight = product(dy_by_column, dy_column_scale, gelu16, gelu_scale, weight_config,
+                            transpose_a=True)
+  # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
+  # gelu'(0) times them. The epilogue also sums the columns (the bias gradient) and finds
+  # the largest |value| of each column and row: the scales of its two f16 copies.
   grad_pre, grad_fc1_bias, pre_column_max, pre_row_max = product(
       dy_by_row, dy_row_scale, w2, w2_scale, pre_config, epilogue=reference.gelu_backward,
       epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
       approx_math=True)
-  pre_by_column, pre_column_scale = precision.scaled_f16_by_max(grad_pre, pre_column_max)
-  x16, x_scale = precision.scaled_f16_along(hidden_state, 0)
-  grad_fc1_weight = product(pre_by_column, pre_column_scale, pad(x16), x_scale, weight_config,
+  pre_column_scale, pre_row_scale = (precision.f16_scale(m) for m in (pre_column_max,
+                                                                      pre_row_max))
+  [(pre_by_column, pre_by_row)] = launch(
+      [(Cast(grad_pre.shape, f16, scales=("columns", "rows")),
+        (grad_pre, pre_column_scale, pre_row_scale))], "mlp_backward_pre_gelu_copies")
+  grad_fc1_weight = product(pre_by_column, pre_column_scale, x16, x_scale, weight_config,
                             transpose_a=True)
-  pre_by_row, pre_row_scale = precision.scaled_f16_by_max(grad_pre,
-                                                          pre_row_max[:tokens, None])
-  w1, w1_scale = precision.scaled_f16_along(fc1_weight, 0)
   grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
-  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
+  return (grad_hidden_state[:problem.tokens], grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
+          grad_fc2_bias)
