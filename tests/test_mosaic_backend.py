@@ -56,6 +56,17 @@ def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode
   assert "dot_general" not in text, "a product ran in XLA"
 
 
+@pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))
+def test_the_backward_closes_over_no_constants(dtype, mode):
+  """The sharding layer wraps the backward in `custom_partitioning`, which refuses a traced
+  function with closed-over constants (JAX 0.11 makes them of arrays built from no input)."""
+  tokens = 65
+  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
+  args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+  problem = _problem(tokens, dtype, mode)
+  assert not jax.make_jaxpr(lambda *a: mosaic.backward(*a, problem=problem))(*args).consts
+
+
 def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
   backend = mosaic.BACKEND
   assert "32 bits" not in backend.unsupported_reason(_problem(64, mode=DotMode.TF32), "gpu")

@@ -175,7 +175,7 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
     op(a), zero past them: padded rows; b's per column), in fp32."""
     m = a.shape[1] if transpose_a else a.shape[0]
-    row_unscale = jnp.zeros((m,), jnp.float32).at[:a_scale.size].set(1 / a_scale)
+    row_unscale = jnp.pad(1 / a_scale, (0, m - a_scale.size))
     return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
                          row_scale=row_unscale, col_scale=1 / b_scale, **epilogue)
 
