@@ -2,13 +2,15 @@
 
 `grouped_launch` runs several jobs in one launch: the 1-D grid is the
 concatenation of their programs, each program runs the body of the job it
-belongs to. A job is a `Cast` (a 16-bit copy of an input, zero rows
-appended, its column sums on the way), `Zeros` (arrival counters), `Scales`
-(the largest magnitudes, and a scaled f16 cast, by which TF32 products run on
-f16 tensor cores: `precision.f16_scale`), or one of the Triton backend's
-products (`backends/triton/kernels.py`). Both backends stage their operands
-with these jobs: the Mosaic backend's four products read what one such launch
-writes.
+belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
+plain or scaled by powers of two per column or row, with zero rows
+appended, and its column sums and line maxima on the way), `Zeros` (arrival
+counters), `Scales` (the Triton backend's TF32 staging: the largest
+magnitudes along one axis, and in the same program the f16 copy scaled by
+them, `precision.f16_scale`), or one of the Triton backend's products
+(`backends/triton/kernels.py`). Both backends stage their operands with
+these jobs: the Mosaic backend's four products read what its staging
+launches write.
 
 Every load and store is masked, so any shape runs without reading or writing
 out of bounds. Sums never use float atomics: each row of tiles writes its own
