@@ -55,6 +55,7 @@ def main(argv=None):
   entries = getattr(tables, args.product)
   table_rows = tables.rows_for(entries, args.table)
   variants = [json.loads(text) for text in args.variants]
+  interpret = jax.default_backend() != "gpu"   # the staging launches off a GPU (the tests)
   rows = []
   for tokens in args.seq_lens:
     inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens,
@@ -65,7 +66,8 @@ def main(argv=None):
       fields = {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
       varied = tuple((bound, dataclasses.replace(config, **fields)) for bound, config in table_rows)
       replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
-      fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(*a, problem=problem, tables=t))
+      fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
+          *a, problem=problem, tables=t, interpret=interpret))
       try:
         out = jax.block_until_ready(fn(*inputs))
       except ValueError as refused:   # e.g. over the shared memory of a block
