@@ -223,26 +223,6 @@ def scaled_f16_operand(x, scale):
   return (x.astype(jnp.float32) * scale).astype(jnp.float16)
 
 
-def scaled_f16_along(x, reduce_axis: int):
-  """(f16(x * s), s) for a whole array in XLA: s the power of two per index of x's other axis
-  that puts the largest magnitude along `reduce_axis` in [2^14, 2^15), so the f16 values are
-  x's TF32 roundings, scaled.
-
-  A line holding a NaN or Inf takes the scale of its non-finite maximum: every output of
-  its product's row (or column) is then NaN or Inf whatever the scale, as in the reference,
-  and the plain maximum of |x| lets XLA fuse |x| into the reduction (with NaN and Inf left
-  out it wrote |x| to memory first: 96 us more at S=4096 on the H200, benchmarks/NOTES.md, 39).
-  """
-  return scaled_f16_by_max(x, jnp.max(jnp.abs(x), axis=reduce_axis, keepdims=True))
-
-
-def scaled_f16_by_max(x, max_abs):
-  """(f16(x * s), s) with s = `f16_scale(max_abs)`, `max_abs` the largest |x| of each line
-  (broadcast against `x`, as `scaled_f16_along` computes it or a kernel returned it)."""
-  scale = f16_scale(max_abs)
-  return scaled_f16_operand(x, scale), scale
-
-
 def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
                lhs_in_registers: bool = False):
   """A tile product inside a Pallas kernel, computed as `mode` says.

@@ -381,6 +381,12 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
   return results
 
 
+def launch(pairs, *, mode: DotMode, interpret=False, name="grouped_launch"):
+  """`grouped_launch` of `(job, operands)` pairs, as the backends write their launches."""
+  return grouped_launch([job for job, _ in pairs], [ops for _, ops in pairs], mode=mode,
+                        interpret=interpret, name=name)
+
+
 def _aliases(jobs, extra_input=None):
   """pallas_call's input -> output aliases: each job's own, and `extra_input` -> output 0."""
   aliases, first_in, first_out = {}, 0, 0

@@ -151,8 +151,8 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
                              sums=i == 0)
-  outs = dict(zip(jobs, staging.grouped_launch(
-      list(jobs.values()), [(arrays[i],) for i in jobs], mode=problem.mode,
+  outs = dict(zip(jobs, staging.launch(
+      [(job, (arrays[i],)) for i, job in jobs.items()], mode=problem.mode,
       interpret=interpret, name="mlp_backward_staging")))
   staged = [outs.get(i, x) for i, x in enumerate(arrays)]
   if not jobs[0].out_dtype:   # grad_output was only summed
@@ -168,8 +168,7 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   Cast = staging.Cast
 
   def launch(jobs, name):
-    return staging.grouped_launch([job for job, _ in jobs], [ops for _, ops in jobs],
-                                  mode=problem.mode, interpret=interpret, name=name)
+    return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
 
   def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of

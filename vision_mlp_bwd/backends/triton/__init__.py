@@ -25,7 +25,6 @@ On a CPU the same kernels run in Pallas interpret mode (slow; for tests).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,8 @@ from vision_mlp_bwd.backends.mosaic import launch_1_sm90
 from vision_mlp_bwd.backends.shared import in_shard_map
 from vision_mlp_bwd.backends.triton.config import (
     Config, TileConfig, default_config, interpret_config, triton_wins)
-from vision_mlp_bwd.backends.staging import Cast, Scales, Zeros, grouped_launch
+from vision_mlp_bwd.backends import staging
+from vision_mlp_bwd.backends.staging import Cast, Scales, Zeros
 from vision_mlp_bwd.backends.triton.kernels import Product
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
@@ -60,11 +60,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     config = interpret_config(problem) if interpret else default_config(problem)
   operand_dtype = problem.mode.operand_dtype
   out_dtype = problem.dtype  # every input has it, so every gradient does
-  run = functools.partial(grouped_launch, mode=problem.mode, interpret=interpret)
-
   def launch(jobs, name):
     """Runs (job, operands) pairs grouped in one launch."""
-    return run([p for p, _ in jobs], [o for _, o in jobs], name=name)
+    return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
 
   if config.tf32_on_f16 and problem.mode == DotMode.TF32 and problem.dtype == jnp.float32:
     return _backward_on_f16(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
@@ -119,7 +117,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
              (acts[n],)) for n in early]
     if mosaic:   # Triton's launch 1 would zero them
       jobs += counters
-    outs = run([job for job, _ in jobs], [ops for _, ops in jobs], name="mlp_backward_casts")
+    outs = launch(jobs, "mlp_backward_casts")
     acts.update(zip(early, outs))
     zeroed = outs[len(early):]   # the counters, if any
   # Launch 1 needs only inputs; launch 2 needs the pre-GELU gradient of launch 1
