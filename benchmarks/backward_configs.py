@@ -11,11 +11,19 @@ changes how the work is scheduled, never the arithmetic). Writes
 
   python -m benchmarks.backward_configs --table tf32_on_f16 --product pre_gelu \\
       --variants '{}' '{"stages": 3, "epilogue_buffers": 2}' '{"mma_in_flight": 0}'
+
+`--product staging` varies the staging launches instead (`backends/staging.py`): each
+variant's `block` and `parts` replace every `Cast` job's, `num_warps` and `num_stages`
+the launches' (the table's products unchanged):
+
+  python -m benchmarks.backward_configs --table fp32_inputs --product staging \\
+      --variants '{}' '{"block": [64, 256], "num_warps": 8}'
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 
@@ -25,6 +33,7 @@ import jax.numpy as jnp
 from benchmarks import cases, timing
 from benchmarks.run import todays_runs_dir, write_result_json
 from vision_mlp_bwd import precision as precisions
+from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic import backward_sm90
 from vision_mlp_bwd.problem import Problem
 
@@ -38,7 +47,8 @@ def main(argv=None):
                                    description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--table", choices=tuple(INPUTS), required=True)
-  parser.add_argument("--product", choices=("pre_gelu", "rows", "weight_grads"), required=True)
+  parser.add_argument("--product", choices=("pre_gelu", "rows", "weight_grads", "staging"),
+                      required=True)
   parser.add_argument("--variants", nargs="+", required=True,
                       help="JSON objects of GemmConfig fields over the table's config at each S")
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -52,8 +62,8 @@ def main(argv=None):
   dtype, precision = INPUTS[args.table]
   mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   hidden, intermediate = (int(v) for v in args.size.split("x"))
-  entries = getattr(tables, args.product)
-  table_rows = tables.rows_for(entries, args.table)
+  entries = None if args.product == "staging" else getattr(tables, args.product)
+  table_rows = None if entries is None else tables.rows_for(entries, args.table)
   variants = [json.loads(text) for text in args.variants]
   interpret = jax.default_backend() != "gpu"   # the staging launches off a GPU (the tests)
   rows = []
@@ -64,12 +74,18 @@ def main(argv=None):
     first = None
     for variant in variants:
       fields = {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
-      varied = tuple((bound, dataclasses.replace(config, **fields)) for bound, config in table_rows)
-      replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
+      if entries is None:
+        replaced, launch = tables, _staging_launch(fields)
+      else:
+        varied = tuple((bound, dataclasses.replace(config, **fields))
+                       for bound, config in table_rows)
+        replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
+        launch = staging.launch
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
           *a, problem=problem, tables=t, interpret=interpret))
       try:
-        out = jax.block_until_ready(fn(*inputs))
+        with _launching(launch):
+          out = jax.block_until_ready(fn(*inputs))
       except ValueError as refused:   # e.g. over the shared memory of a block
         print(f"S={tokens} {variant}: {refused}", flush=True)
         continue
@@ -84,6 +100,30 @@ def main(argv=None):
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
                     rows=rows)
+
+
+def _staging_launch(fields):
+  """`staging.launch` with every Cast job's `block`/`parts` and the launch parameters
+  (`num_warps`, `num_stages`) of `fields`."""
+  job_fields = {k: v for k, v in fields.items() if k in ("block", "parts")}
+  params = {k: v for k, v in fields.items() if k not in job_fields}
+  original = staging.launch
+
+  def launch(pairs, **kwargs):
+    pairs = [(dataclasses.replace(job, **job_fields) if isinstance(job, staging.Cast) else job,
+              ops) for job, ops in pairs]
+    return original(pairs, **kwargs, **params)
+  return launch
+
+
+@contextlib.contextmanager
+def _launching(launch):
+  """The backward traced with `launch` as its staging launches (the trace is cached)."""
+  original, staging.launch = staging.launch, launch
+  try:
+    yield
+  finally:
+    staging.launch = original
 
 
 if __name__ == "__main__":

@@ -121,3 +121,31 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
       (tf32, "float32", True, "unrounded", False, False),
       (tf32, "float32", True, "unrounded", True, False),
       (tf32, "float32", True, "unrounded", True, True)]
+
+
+def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
+  """`--product staging`: each variant's block and parts reach every Cast job of the
+  backward, its warps every staging launch; the products keep the table's configs."""
+  from vision_mlp_bwd.backends import staging
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from tests.test_mosaic_backend import _jnp_engine
+  launches, real = [], staging.grouped_launch
+
+  def spy(jobs, operands, **kw):
+    launches.append(([(job.block, job.parts) for job in jobs if isinstance(job, staging.Cast)],
+                     kw.get("num_warps", 4)))
+    return real(jobs, operands, **kw)
+
+  monkeypatch.setattr(staging, "grouped_launch", spy)
+  monkeypatch.setattr(backward_sm90.engine, "matmul", _jnp_engine)
+  monkeypatch.setattr(timing, "device_times_us",
+                      lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
+  backward_configs.main(["--table", "fp32_inputs", "--product", "staging", "--seq-lens", "8",
+                         "--size", "64x128", "--iterations", "1", "--variants", "{}",
+                         '{"block": [16, 64], "parts": 2, "num_warps": 8}',
+                         "--out", str(tmp_path)])
+  [record] = list(tmp_path.glob("backward_configs_*.json"))
+  rows = json.loads(record.read_text())["rows"]
+  assert [r["variant"] for r in rows] == [{}, {"block": [16, 64], "parts": 2, "num_warps": 8}]
+  default = staging.Cast((8, 64), None)
+  assert launches == [([(default.block, default.parts)] * 5, 4), ([((16, 64), 2)] * 5, 8)]

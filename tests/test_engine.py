@@ -118,11 +118,14 @@ def test_schedule_covers_every_block_and_contraction_step_once(m, n, k, config, 
       plan.splits * plan.steps_per_split)
 
 
-@pytest.mark.parametrize("m, n, block", [(1280, 3584, (128, 256)), (1000, 1000, (128, 128)),
-                                         (300, 520, (128, 128))])
-def test_tail_parts_are_summed_in_order_into_the_last_blocks_only(m, n, block):
-  """`_write_tail` on the CPU: each tail block becomes the left-to-right sum of its parts
-  (bitwise the same order), cut at the array's ends; every other element is untouched."""
+@pytest.mark.parametrize("m, n, block, out_dtype", [
+    (1280, 3584, (128, 256), jnp.float32), (1000, 1000, (128, 128), jnp.float32),
+    (300, 520, (64, 128), jnp.bfloat16)])
+def test_tail_parts_are_summed_in_order_into_the_last_blocks_only(m, n, block, out_dtype):
+  """`write_tails` (a `TailSum` launch in Pallas interpret mode): each tail block becomes
+  the left-to-right sum of its parts (bitwise that order), cut at the array's ends, in
+  the output's dtype; every other element is untouched (poisoned NaN stays NaN), and
+  products given whole pass through."""
   grid_m, grid_n = -(-m // block[0]), -(-n // block[1])
   for tail in (1, grid_n - 1, grid_n + 1, 2 * grid_n):
     if not 0 < tail < grid_m * grid_n:
@@ -130,22 +133,29 @@ def test_tail_parts_are_summed_in_order_into_the_last_blocks_only(m, n, block):
     splits = 3
     plan = engine.Schedule((grid_m, grid_n), 132, 12, grid_m * grid_n - tail, splits, 4)
     parts = jax.random.normal(helpers.fresh_key(), (tail * splits, *block), jnp.float32)
-    poison = jnp.full((m, n), jnp.nan, jnp.float32)
-    out = jax.jit(engine._write_tail, static_argnums=(2, 3))(poison, parts, plan, block)
+    poison = jnp.full((m, n), jnp.nan, out_dtype)
+    whole = jnp.ones((8, 8), jnp.float32)
+    out, passed = jax.jit(lambda o, p, w: engine.write_tails(engine.SplitProduct(
+        o, p.reshape(-1, block[1]), engine._tail_job(o, plan, block)), w, interpret=True))(
+            poison, parts, whole)
     sums = np.asarray(parts).reshape(tail, splits, *block)
     sums = (sums[:, 0] + sums[:, 1]) + sums[:, 2]
     expected = np.full((grid_m * block[0], grid_n * block[1]), np.nan, np.float32)
     for t in range(tail):
       bm, bn = divmod(plan.whole + t, grid_n)
       expected[bm * block[0]:(bm + 1) * block[0], bn * block[1]:(bn + 1) * block[1]] = sums[t]
-    assert out.shape == (m, n) and out.dtype == jnp.float32
-    np.testing.assert_array_equal(np.asarray(out), expected[:m, :n], err_msg=f"{m} {n} {tail}")
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  expected[:m, :n].astype(out_dtype).astype(np.float32),
+                                  err_msg=f"{m} {n} {tail}")
+    np.testing.assert_array_equal(passed, whole)
 
 
 @needs_lowering
 @pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
 def test_split_tails_lower_for_16_bit_outputs_and_ragged_sizes(out_dtype):
-  """A 16-bit output keeps fp32 partials in their own, half-width epilogue buffers."""
+  """A 16-bit output keeps fp32 partials in their own, half-width epilogue buffers; the
+  tail launch (`engine_tails`) writes the product in place."""
   config = engine.GemmConfig(stages=3, tail_splits=16)
   for m, k, n, transpose_a in ((1280, 4096, 3584, True), (1088, 4000, 1024, True),
                                (216, 1280, 3584, False)):
@@ -156,7 +166,8 @@ def test_split_tails_lower_for_16_bit_outputs_and_ragged_sizes(out_dtype):
     fn = functools.partial(engine.matmul, transpose_a=transpose_a, config=config,
                            out_dtype=out_dtype, num_programs=132)
     text = jax.jit(fn).trace(a, b).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text and "dynamic_update_slice" in text
+    assert "mosaic_gpu" in text and "engine_tails" in text
+    assert "dynamic_update_slice" not in text and "output_operand_alias" in text
 
 
 def test_engine_shapes_cases_are_well_formed():

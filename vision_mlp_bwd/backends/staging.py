@@ -4,13 +4,14 @@
 concatenation of their programs, each program runs the body of the job it
 belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
 plain or scaled by powers of two per column or row, with zero rows
-appended, and its column sums and line maxima on the way), `Zeros` (arrival
-counters), `Scales` (the Triton backend's TF32 staging: the largest
-magnitudes along one axis, and in the same program the f16 copy scaled by
-them, `precision.f16_scale`), or one of the Triton backend's products
+appended, and its column sums and line maxima on the way), `TailSum` (a
+split product's last blocks summed in place), `Zeros` (arrival counters),
+`Scales` (the Triton backend's TF32 staging: the largest magnitudes along
+one axis, and in the same program the f16 copy scaled by them,
+`precision.f16_scale`), or one of the Triton backend's products
 (`backends/triton/kernels.py`). Both backends stage their operands with
 these jobs: the Mosaic backend's four products read what its staging
-launches write.
+launches write, and its split products end in a `TailSum`.
 
 Every load and store is masked, so any shape runs without reading or writing
 out of bounds. Sums never use float atomics: each row of tiles writes its own
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 
 import jax.numpy as jnp
@@ -55,7 +57,7 @@ class Cast:
     Inf count as 0, `precision.finite_abs`), from which the scales come.
 
   A program covers `block[1]` columns and, when it reduces, a band of
-  `block[0]`-row tiles (at most `MAX_PARTS` bands: few partial sums to
+  `block[0]`-row tiles (at most `parts` bands: few partial sums to
   add), one tile otherwise. Its partial sums are added in band order.
   Returns the copies, then the sums, column maxima and row maxima, as asked:
   one array alone, or a tuple.
@@ -68,8 +70,8 @@ class Cast:
   maxima: bool = False
   scales: tuple[str, ...] = ()
   block: tuple[int, int] = (32, 256)
+  parts: int = 16
 
-  MAX_PARTS = 16
   aliases = {}
 
   @property
@@ -88,7 +90,7 @@ class Cast:
   def steps(self) -> int:
     """Row tiles per program."""
     tiles = pl.cdiv(self.out_rows, self.block[0])
-    return pl.cdiv(tiles, self.MAX_PARTS) if self.sums or self.maxima else 1
+    return pl.cdiv(tiles, self.parts) if self.sums or self.maxima else 1
 
   @property
   def grid(self) -> tuple[int, int]:
@@ -178,6 +180,70 @@ class Cast:
     if self.maxima:
       results += [jnp.max(m, axis=0) for m in partial]   # exact in any order
     return results[0] if len(results) == 1 else tuple(results)
+
+
+@dataclasses.dataclass(frozen=True)
+class TailSum:
+  """A split product's last blocks, written in place (the engine's last wave split along K).
+
+  Inputs: the product `out [M, N]` (aliased: every element outside its tail is left as
+  the product wrote it) and its fp32 K-parts `[tail * splits * block[0], block[1]]`,
+  the `splits` parts of tail block t one after another. Tail block t is the output's
+  block `first + t` in row-major order over `grid_n` block columns; it becomes the sum
+  of its parts added first to last, cut at the array's ends. A program sums one `piece`
+  of one block.
+  """
+
+  shape: tuple[int, int]
+  out_dtype: jnp.dtype
+  block: tuple[int, int]
+  grid_n: int
+  first: int
+  tail: int
+  splits: int
+
+  num_inputs = 2
+  num_outputs = 1
+  aliases = {0: 0}
+
+  @property
+  def piece(self) -> tuple[int, int]:
+    return (math.gcd(32, self.block[0]), math.gcd(128, self.block[1]))
+
+  @property
+  def programs(self) -> int:
+    (bm, bn), (tm, tn) = self.block, self.piece
+    return self.tail * (bm // tm) * (bn // tn)
+
+  def check(self, operands):
+    out, parts = operands
+    assert out.shape == tuple(self.shape) and out.dtype == self.out_dtype, (self, out)
+    assert parts.shape == (self.tail * self.splits * self.block[0], self.block[1]), (
+        self, parts.shape)
+    assert parts.dtype == jnp.float32, parts.dtype
+
+  def out_shapes(self, like):
+    return [out_struct(tuple(self.shape), self.out_dtype, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    (m, n), (bm, bn), (tm, tn) = self.shape, self.block, self.piece
+    parts, (out,) = in_refs[1], out_refs
+    per_row = bn // tn
+    t, piece = program // (per_row * (bm // tm)), program % (per_row * (bm // tm))
+    block_row, block_col = (self.first + t) // self.grid_n, (self.first + t) % self.grid_n
+    in_rows = (piece // per_row) * tm + jnp.arange(tm)
+    in_cols = (piece % per_row) * tn + jnp.arange(tn)
+    total = None
+    for s in range(self.splits):   # first to last
+      x = plgpu.load(parts.at[((t * self.splits + s) * bm + in_rows)[:, None], in_cols[None, :]])
+      total = x if total is None else total + x
+    rows, cols = block_row * bm + in_rows, block_col * bn + in_cols
+    index, mask = tile_indices(rows, rows < m, cols, cols < n)
+    plgpu.store(out.at[index], total.astype(out.dtype), mask=mask)
+
+  def finish(self, outs):
+    return outs[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +404,7 @@ def _grouped_kernel(*refs, jobs, mode, aliased, interpret):
 
 
 def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
-                   name="grouped_launch"):
+                   name="grouped_launch", num_warps=4, num_stages=1):
   """Runs `jobs` (products, `Cast`s, `Zeros`, `Scales`, `operands[i]` for each) in one launch.
 
   Returns, per job: for a product, the product `[M, N]` in its `out_dtype`
@@ -346,7 +412,7 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
   where it asks for row sums; for a cast or zeros, the array. `out`, if given, is
   the buffer the first job writes its first output into (aliased); tests pass
   a NaN-filled one to prove that every element is written. Warps and
-  pipeline depth are the first product's.
+  pipeline depth are the first product's (`num_warps`, `num_stages` without one).
   """
   operands = [tuple(ops) for ops in operands]
   if len(operands) != len(jobs):
@@ -363,7 +429,7 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
     assert out.shape == out_shapes[0].shape and out.dtype == out_shapes[0].dtype, out
   filter_triton_deprecation()
   tiles = [job.tile for job in jobs if hasattr(job, "tile")]   # the products' TileConfigs
-  warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (4, 1)
+  warps, stages = (tiles[0].num_warps, tiles[0].num_stages) if tiles else (num_warps, num_stages)
   outs = pl.pallas_call(
       functools.partial(_grouped_kernel, jobs=tuple(jobs), mode=mode, aliased=out is not None,
                         interpret=interpret),
@@ -381,10 +447,10 @@ def grouped_launch(jobs, operands, *, mode: DotMode, interpret=False, out=None,
   return results
 
 
-def launch(pairs, *, mode: DotMode, interpret=False, name="grouped_launch"):
+def launch(pairs, *, mode: DotMode, interpret=False, name="grouped_launch", **params):
   """`grouped_launch` of `(job, operands)` pairs, as the backends write their launches."""
   return grouped_launch([job for job, _ in pairs], [ops for _, ops in pairs], mode=mode,
-                        interpret=interpret, name=name)
+                        interpret=interpret, name=name, **params)
 
 
 def _aliases(jobs, extra_input=None):

@@ -31,7 +31,8 @@ products after it read (a third staging launch writes both from one read).
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows by the staging launch (which add
 nothing to any sum: gelu'(0) times a zero row is zero) and the input
-gradient is cut back.
+gradient is cut back. The split last waves of the three products after the
+first are summed and written in one launch at the end (`engine.write_tails`).
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
       interpret)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
-                                  config=weight_config)
+                                  config=weight_config, defer_tail=True)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
@@ -126,11 +127,13 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
-                                  config=weight_config)
-  grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype,
-                                    config=rows_config)[:tokens]
-  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
-          grad_fc2_bias.astype(dtype))
+                                  config=weight_config, defer_tail=True)
+  grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
+                                    defer_tail=True)
+  grad_hidden_state, grad_fc1_weight, grad_fc2_weight = engine.write_tails(
+      grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret)
+  return (grad_hidden_state[:tokens], grad_fc1_weight, grad_fc1_bias.astype(dtype),
+          grad_fc2_weight, grad_fc2_bias.astype(dtype))
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
@@ -176,7 +179,8 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
     m = a.shape[1] if transpose_a else a.shape[0]
     row_unscale = jnp.pad(1 / a_scale, (0, m - a_scale.size))
     return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
-                         row_scale=row_unscale, col_scale=1 / b_scale, **epilogue)
+                         row_scale=row_unscale, col_scale=1 / b_scale,
+                         defer_tail=not epilogue, **epilogue)
 
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
   # gradient), one for the scaled f16 copies the products read.
@@ -212,5 +216,7 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   grad_fc1_weight = product(pre_by_column, pre_column_scale, x16, x_scale, weight_config,
                             transpose_a=True)
   grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
+  grad_hidden_state, grad_fc1_weight, grad_fc2_weight = engine.write_tails(
+      grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret)
   return (grad_hidden_state[:problem.tokens], grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
           grad_fc2_bias)

@@ -23,10 +23,10 @@ T mod P blocks for a last, partly idle wave (the weight gradients at
 H=1280, I=3584 have 140 blocks of 128x256 on 132 SMs: 8 blocks, a second
 wave at 6% occupancy). With `tail_splits`, those r = T mod P blocks are
 instead split along K into up to P // r parts, so every program has work
-until the end. Each part writes its fp32 partial block to a workspace; they
-are summed in a fixed order (no atomics: the result is bitwise
-deterministic) and written into the output's last r blocks, which form at
-most two rectangles because the order of blocks is row-major at the end.
+until the end. Each part writes its fp32 partial block to a workspace; one
+more launch (`write_tails`, a `staging.TailSum` job per product) sums them
+in a fixed order (no atomics: the result is bitwise deterministic) and
+writes the output's last r blocks in place.
 
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
@@ -67,6 +67,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
 from vision_mlp_bwd.backends.shared import sum_in_order
 
@@ -193,7 +194,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
-           approx_math: bool = False, interpret=None):
+           approx_math: bool = False, defer_tail: bool = False, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -205,7 +206,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   the largest |value| (fp32, NaN if any is) of each column and row after them,
   `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and
   division in the kernel (the epilogue's) use the GPU's approximate instructions
-  (ex2.approx, div.approx: within 2^-22 relative). `interpret` is `plgpu.kernel`'s
+  (ex2.approx, div.approx: within 2^-22 relative). With `defer_tail`, a product whose
+  last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
+  in one launch). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -283,28 +286,38 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     return (outs[0], *sums, *maxima)
   if plan.splits == 1:
     return outs[0]
-  return _write_tail(outs[0], outs[1], plan, config.block)
-
-
-def _write_tail(out, partials, plan: Schedule, block):
-  """Sums each tail block's K-parts in order and writes them into the output's last blocks."""
-  (grid_m, grid_n), (block_m, block_n) = plan.grid_mn, block
-  m, n = out.shape
-  parts = partials.reshape(plan.tail, plan.splits, block_m, block_n)
-  total = sum_in_order(parts, axis=1).astype(out.dtype)
-  first_row, first_col = divmod(plan.whole, grid_n)
-  pieces = []                          # (block row, block column, blocks) of each rectangle
-  if first_col:
-    pieces.append((first_row, first_col, total[:grid_n - first_col][None]))
-    total, first_row = total[grid_n - first_col:], first_row + 1
-  if first_row < grid_m:
-    pieces.append((first_row, 0, total.reshape(grid_m - first_row, grid_n, block_m, block_n)))
-  for row, col, blocks in pieces:
-    rows, cols = blocks.shape[0], blocks.shape[1]
-    rect = blocks.transpose(0, 2, 1, 3).reshape(rows * block_m, cols * block_n)
-    r0, c0 = row * block_m, col * block_n
-    out = lax.dynamic_update_slice(out, rect[:m - r0, :n - c0], (r0, c0))
+  split = SplitProduct(outs[0], outs[1].reshape(-1, config.block[1]),
+                       _tail_job(outs[0], plan, config.block))
+  if defer_tail:
+    return split
+  (out,) = write_tails(split, interpret=interpret is not None)
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitProduct:
+  """A product whose last blocks are still K-parts: `write_tails` finishes it."""
+
+  out: jax.Array        # the product, its last `job.tail` blocks not yet written
+  partials: jax.Array   # their fp32 K-parts, [tail * splits * block_m, block_n]
+  job: staging.TailSum
+
+
+def write_tails(*products, interpret: bool = False):
+  """The products whole: every `SplitProduct`'s last blocks summed (first K-part to last,
+  bitwise deterministic) and written in place, all in one launch; other products as given.
+  `interpret` runs that launch in Pallas interpret mode."""
+  split = [p for p in products if isinstance(p, SplitProduct)]
+  if not split:
+    return products
+  written = iter(staging.launch([(p.job, (p.out, p.partials)) for p in split], mode=None,
+                                interpret=interpret, name="engine_tails"))
+  return tuple(next(written) if isinstance(p, SplitProduct) else p for p in products)
+
+
+def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
+  return staging.TailSum(out.shape, out.dtype, block, plan.grid_mn[1], plan.whole, plan.tail,
+                         plan.splits)
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
