@@ -125,7 +125,7 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
 
 def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   """`--product staging`: each variant's block and parts reach every Cast job of the
-  backward, its warps every staging launch; the products keep the table's configs."""
+  backward, its warps every staging launch."""
   from vision_mlp_bwd.backends import staging
   from vision_mlp_bwd.backends.mosaic import backward_sm90
   from tests.test_mosaic_backend import _jnp_engine
@@ -148,4 +148,6 @@ def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   rows = json.loads(record.read_text())["rows"]
   assert [r["variant"] for r in rows] == [{}, {"block": [16, 64], "parts": 2, "num_warps": 8}]
   default = staging.Cast((8, 64), None)
-  assert launches == [([(default.block, default.parts)] * 5, 4), ([((16, 64), 2)] * 5, 8)]
+  # Each trace: the staging launch, then the last launch (the bias sums, the split tails).
+  assert launches == [([(default.block, default.parts)] * 5, 4), ([], 4),
+                      ([((16, 64), 2)] * 5, 8), ([], 8)]

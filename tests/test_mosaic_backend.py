@@ -167,8 +167,9 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
-                col_scale=None, **_):
-  """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands)."""
+                col_scale=None, partial_reductions=False, **_):
+  """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
+  partial reductions as one part each)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   if row_scale is not None:
@@ -183,6 +184,8 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
     extra += (jnp.sum(value if column_sums == "unrounded" else out.astype(jnp.float32), 0),)
   if line_maxima:
     extra += (jnp.max(jnp.abs(value), 0), jnp.max(jnp.abs(value), 1))
+  if partial_reductions:
+    extra = tuple(x[None] for x in extra)
   return (out, *extra) if extra else out
 
 

@@ -7,6 +7,8 @@ first job's copy also goes into a NaN-filled buffer of the test's own.
 
 from __future__ import annotations
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -15,6 +17,7 @@ import pytest
 
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.backends import staging
+from vision_mlp_bwd.backends.shared import sum_in_order
 from vision_mlp_bwd.precision import DotMode
 from tests import bounds, helpers
 
@@ -69,31 +72,39 @@ def test_cast_refuses_a_job_with_nothing_to_do():
 
 @pytest.mark.parametrize("shape", [(45, 70), (700, 40)])   # one tile per band; bands of tiles
 def test_cast_line_maxima_and_scaled_f16_copies(shape):
-  """The TF32 staging: the maxima of finite |x| per column and row, exact, and f16 copies
-  of x times a power of two per column and per row, each exactly
-  `precision.scaled_f16_operand`'s rounding."""
+  """The TF32 staging: the maxima of finite |x| per column and row, exact (reduced by the
+  job, or left as partial rows), and f16 copies of x times a power of two per column and
+  per row, each exactly `precision.scaled_f16_operand`'s rounding by the scales of those
+  maxima, with the reciprocal scales (zero past x's rows)."""
   key = helpers.fresh_key()
   x = jax.random.normal(key, shape) * jnp.exp2(jax.random.randint(
       jax.random.fold_in(key, 1), shape, -20, 20).astype(jnp.float32))
   x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)
-  [(sums, column_max, row_max)] = staging.grouped_launch(
-      [staging.Cast(x.shape, None, sums=True, maxima=True, block=(8, 32))], [(x,)],
-      mode=DotMode.TF32, interpret=True)
+  job = staging.Cast(x.shape, None, sums=True, maxima=True, block=(8, 32))
+  [(sums, column_max, row_max), (sum_parts, *partial_maxima)] = staging.grouped_launch(
+      [job, dataclasses.replace(job, finished=False)], [(x,), (x,)], mode=DotMode.TF32,
+      interpret=True)
   v = np.asarray(x, np.float64)
   finite = np.where(np.isfinite(v), np.abs(v), 0.0)
   np.testing.assert_array_equal(np.asarray(column_max), finite.max(axis=0))
   np.testing.assert_array_equal(np.asarray(row_max), finite.max(axis=1))
   _assert_column_sums(sums, x)
+  chex.assert_shape(sum_parts, (job.grid[0], shape[1]))
+  np.testing.assert_array_equal(jnp.max(partial_maxima[0], axis=0), column_max)
+  np.testing.assert_array_equal(jnp.max(partial_maxima[1], axis=0), row_max)
   column_scale, row_scale = (precision.f16_scale(m) for m in (column_max, row_max))
   rows = shape[0] + 3
   job = staging.Cast(x.shape, jnp.dtype(jnp.float16), rows=rows, scales=("columns", "rows"),
                      block=(8, 32))
   poisoned = jnp.full((rows, shape[1]), jnp.nan, jnp.float16)
-  [(by_column, by_row)] = staging.grouped_launch([job], [(x, column_scale, row_scale)],
-                                                 mode=DotMode.TF32, out=poisoned,
-                                                 interpret=True)
+  [(by_column, by_row, column_unscale, row_unscale), fc_sums] = staging.grouped_launch(
+      [job, staging.SumRows(sum_parts.shape, block=16)], [(x, *partial_maxima), (sum_parts,)],
+      mode=DotMode.TF32, out=poisoned, interpret=True)
   for copy, want in ((by_column, precision.scaled_f16_operand(x, column_scale[None, :])),
                      (by_row, precision.scaled_f16_operand(x, row_scale[:, None]))):
     chex.assert_shape(copy, (rows, shape[1]))
     chex.assert_trees_all_equal(copy[:shape[0]], want)
     chex.assert_trees_all_equal(copy[shape[0]:], jnp.zeros((3, shape[1]), jnp.float16))
+  chex.assert_trees_all_equal(column_unscale, 1 / column_scale)
+  chex.assert_trees_all_equal(row_unscale, jnp.pad(1 / row_scale, (0, 3)))
+  chex.assert_trees_all_equal(fc_sums, sum_in_order(sum_parts))   # SumRows: bitwise that order

@@ -196,10 +196,23 @@ def f16_scale(max_abs):
   `max_abs` >= 0; an all-zero row gets 2^126, harmlessly, and a NaN or Inf
   maximum 2^-114 (its exponent bits are those of 2^128).
   """
+  return _power_of_two(_f16_scale_exponent(max_abs))
+
+
+def f16_unscale(max_abs):
+  """`1 / f16_scale(max_abs)`, exactly (the reciprocal a product's result is multiplied by)."""
+  return _power_of_two(-_f16_scale_exponent(max_abs))
+
+
+def _f16_scale_exponent(max_abs):
   bits = lax.bitcast_convert_type(max_abs.astype(jnp.float32), jnp.int32) & 0x7FFFFFFF
   exponent = (bits >> 23) - 127          # max_abs in [2^exponent, 2^(exponent + 1))
-  scale_exponent = jnp.clip(F16_SCALE_TOP_EXPONENT - exponent, -126, 126)
-  return lax.bitcast_convert_type((scale_exponent + 127) << 23, jnp.float32)
+  return jnp.clip(F16_SCALE_TOP_EXPONENT - exponent, -126, 126)
+
+
+def _power_of_two(exponent):
+  """2^exponent in fp32, for exponents in [-126, 127]."""
+  return lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
 # A weight's scale can be guessed instead of measured: 2^10 brings column

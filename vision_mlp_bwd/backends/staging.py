@@ -5,7 +5,8 @@ concatenation of their programs, each program runs the body of the job it
 belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
 plain or scaled by powers of two per column or row, with zero rows
 appended, and its column sums and line maxima on the way), `TailSum` (a
-split product's last blocks summed in place), `Zeros` (arrival counters),
+split product's last blocks summed in place), `SumRows` (partial sums added
+in order), `Zeros` (arrival counters),
 `Scales` (the Triton backend's TF32 staging: the largest magnitudes along
 one axis, and in the same program the f16 copy scaled by them,
 `precision.f16_scale`), or one of the Triton backend's products
@@ -31,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
-from vision_mlp_bwd.precision import DotMode, f16_scale, finite_abs, scaled_f16_operand
+from vision_mlp_bwd.precision import (DotMode, f16_scale, f16_unscale, finite_abs,
+                                      scaled_f16_operand)
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
 
@@ -49,18 +51,25 @@ class Cast:
 
   - Copies (with `out_dtype`): `x.astype(out_dtype)`, or with `scales`, one
     f16 copy per entry, `x` times a power-of-two scale per column
-    (`"columns"`, an input `[C]`) or per row (`"rows"`, `[R]`): the TF32
-    operands of `precision.py`'s scaling. With `rows` (>= R) a copy has that
-    many rows, zeros past x's (the padded operands of the Mosaic engine).
+    (`"columns"`) or per row (`"rows"`): the TF32 operands of `precision.py`'s
+    scaling. Each scale is `precision.f16_scale` of the line's largest finite
+    |x|, which the job takes as partial maxima (an input `[P, C]` or `[P, R]`:
+    the maxima a `Cast` or the engine's epilogue leaves, one row per part) and
+    reduces itself; it also returns the reciprocal scales (`[C]`, or `[rows]`
+    with zeros past R), which the engine multiplies its accumulators by. With
+    `rows` (>= R) a copy has that many rows, zeros past x's (the padded
+    operands of the Mosaic engine).
   - `sums`: the fp32 sums of x's columns (a bias gradient).
   - `maxima`: the largest finite |x| of each column and each row (NaN and
     Inf count as 0, `precision.finite_abs`), from which the scales come.
 
   A program covers `block[1]` columns and, when it reduces, a band of
   `block[0]`-row tiles (at most `parts` bands: few partial sums to
-  add), one tile otherwise. Its partial sums are added in band order.
-  Returns the copies, then the sums, column maxima and row maxima, as asked:
-  one array alone, or a tuple.
+  add), one tile otherwise. Its partial sums are added in band order
+  (unless `finished=False`: then the sums `[bands, C]` and maxima `[bands, C]`,
+  `[column blocks, R]` are returned as partial rows, for a later launch to
+  reduce). Returns the copies, the reciprocal scales, then the sums, column
+  maxima and row maxima, as asked: one array alone, or a tuple.
   """
 
   shape: tuple[int, int]
@@ -69,6 +78,7 @@ class Cast:
   sums: bool = False
   maxima: bool = False
   scales: tuple[str, ...] = ()
+  finished: bool = True
   block: tuple[int, int] = (32, 256)
   parts: int = 16
 
@@ -100,7 +110,7 @@ class Cast:
 
   @property
   def num_outputs(self) -> int:
-    return self.copies + self.sums + 2 * self.maxima
+    return self.copies + len(self.scales) + self.sums + 2 * self.maxima
 
   @property
   def programs(self) -> int:
@@ -109,9 +119,9 @@ class Cast:
   def check(self, operands):
     r, c = self.shape
     assert operands[0].shape == (r, c) and len(operands) == self.num_inputs, (self, operands)
-    for kind, scale in zip(self.scales, operands[1:]):
-      assert kind in ("columns", "rows") and scale.shape == ((c,) if kind == "columns" else (r,)), (
-          self, scale.shape)
+    for kind, maxima in zip(self.scales, operands[1:]):
+      assert kind in ("columns", "rows") and maxima.ndim == 2 and maxima.shape[1] == (
+          c if kind == "columns" else r), (self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
     assert self.num_outputs, self
 
@@ -119,6 +129,8 @@ class Cast:
     (bands, col_blocks), (r, c) = self.grid, self.shape
     shapes = [out_struct((self.out_rows, c), self.out_dtype, like)
               for _ in range(self.copies)]
+    shapes += [out_struct((c if kind == "columns" else self.out_rows,), jnp.float32, like)
+               for kind in self.scales]
     if self.sums:
       shapes.append(out_struct((bands, c), jnp.float32, like))
     if self.maxima:
@@ -132,11 +144,17 @@ class Cast:
     band, col_block = program // self.grid[1], program % self.grid[1]
     cols, col_mask = span(col_block, block_cols, c)
     copy_refs, out_refs = out_refs[:self.copies], list(out_refs[self.copies:])
+    unscale_refs, out_refs = out_refs[:len(self.scales)], out_refs[len(self.scales):]
     sums_ref = out_refs.pop(0) if self.sums else None
     col_max_ref, row_max_ref = out_refs if self.maxima else (None, None)
-    col_scales = {i: plgpu.load(ref.at[cols], mask=col_mask, other=1.0)
-                  for i, (kind, ref) in enumerate(zip(self.scales, in_refs[1:]))
-                  if kind == "columns"}
+    col_scales = {}
+    for i, kind in enumerate(self.scales):
+      if kind == "columns":
+        col_scales[i], unscale = _line_scales(in_refs[1 + i], cols, col_mask)
+
+        @pl.when(band == 0)
+        def _(i=i, unscale=unscale):
+          plgpu.store(unscale_refs[i].at[cols], unscale, mask=col_mask)
 
     def step(s, carry):
       total, largest = carry
@@ -150,8 +168,13 @@ class Cast:
         elif i in col_scales:
           value = scaled_f16_operand(x, col_scales[i][None, :])
         else:
-          row_scale = plgpu.load(in_refs[1 + i].at[rows], mask=in_x, other=1.0)
+          row_scale, unscale = _line_scales(in_refs[1 + i], rows, in_x)
           value = scaled_f16_operand(x, row_scale[:, None])
+
+          @pl.when(col_block == 0)
+          def _(i=i, unscale=unscale, rows=rows, row_mask=row_mask, in_x=in_x):
+            plgpu.store(unscale_refs[i].at[rows], jnp.where(in_x, unscale, 0.0),
+                        mask=row_mask)
         plgpu.store(copy_ref.at[index], value, mask=mask)
       if self.sums:
         total = total + jnp.sum(x.astype(jnp.float32), axis=0)
@@ -173,13 +196,57 @@ class Cast:
 
   def finish(self, outs):
     outs = list(outs)
-    results = outs[:self.copies]
-    partial = outs[self.copies:]
-    if self.sums:
+    count = self.copies + len(self.scales)
+    results, partial = outs[:count], outs[count:]
+    if self.finished and self.sums:
       results.append(sum_in_order(partial.pop(0)))
-    if self.maxima:
+    if self.finished and self.maxima:
       results += [jnp.max(m, axis=0) for m in partial]   # exact in any order
+    else:
+      results += partial
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _line_scales(maxima_ref, lines, mask):
+  """(f16 scales, their reciprocals) of these lines, from partial maxima `[P, lines]`."""
+  parts = maxima_ref.shape[0]
+  index, tile_mask = tile_indices(jnp.arange(pl.next_power_of_2(parts)),
+                                  jnp.arange(pl.next_power_of_2(parts)) < parts, lines, mask)
+  largest = jnp.max(plgpu.load(maxima_ref.at[index], mask=tile_mask, other=0.0), axis=0)
+  return f16_scale(largest), f16_unscale(largest)
+
+
+@dataclasses.dataclass(frozen=True)
+class SumRows:
+  """The fp32 sums of partial rows `[P, C]` (a reduction's parts), added first to last, as
+  `shared.sum_in_order` adds them: bitwise the same."""
+
+  shape: tuple[int, int]
+  block: int = 256
+
+  num_inputs = 1
+  num_outputs = 1
+  aliases = {}
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.shape[1], self.block)
+
+  def check(self, operands):
+    assert operands[0].shape == tuple(self.shape), (self, operands[0].shape)
+
+  def out_shapes(self, like):
+    return [out_struct((self.shape[1],), jnp.float32, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    cols, mask = span(program, self.block, self.shape[1])
+    row = lambda p: plgpu.load(in_refs[0].at[p, cols], mask=mask, other=0.0).astype(jnp.float32)
+    total = lax.fori_loop(1, self.shape[0], lambda p, t: t + row(p), row(0))
+    plgpu.store(out_refs[0].at[cols], total, mask=mask)
+
+  def finish(self, outs):
+    return outs[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +275,7 @@ class TailSum:
 
   @property
   def piece(self) -> tuple[int, int]:
-    return (math.gcd(32, self.block[0]), math.gcd(128, self.block[1]))
+    return (math.gcd(8, self.block[0]), math.gcd(128, self.block[1]))
 
   @property
   def programs(self) -> int:

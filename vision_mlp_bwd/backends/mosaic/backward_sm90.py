@@ -21,12 +21,16 @@ index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
 the accumulator by the reciprocal scales. One staging launch finds every
-input's line maxima (and grad_output's column sums), a second writes the
-scaled f16 copies. The pre-GELU product's epilogue then runs on unscaled
-values, as on 16-bit products; its output stays fp32. It also returns the
-bias gradient (the sums of its fp32 columns) and the largest |value| of
-each row and column, the scales of the two f16 copies of it that the
-products after it read (a third staging launch writes both from one read).
+input's line maxima (and grad_output's column sums), a second reduces them
+to the scales, writes the scaled f16 copies and the reciprocal scales. The
+pre-GELU product's epilogue then runs on unscaled values, as on 16-bit
+products; its output stays fp32. It also returns the bias gradient (the
+sums of its fp32 columns) and the largest |value| of each row and column,
+the scales of the two f16 copies of it that the products after it read (a
+third staging launch writes both from one read). Every partial sum and
+maximum is reduced by the launch after the one that leaves it: nothing runs
+in XLA between the launches but the cut of the input gradient's padded
+rows.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows by the staging launch (which add
@@ -43,7 +47,7 @@ import pathlib
 
 import jax.numpy as jnp
 
-from vision_mlp_bwd import precision, reference
+from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic import engine
 from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
@@ -114,7 +118,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                           gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
-  (grad_out16, grad_fc2_bias), hidden16, gelu16, w1, w2 = _staged_operands(
+  (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
       interpret)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
@@ -122,29 +126,32 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
-  grad_pre16, grad_fc1_bias = engine.matmul(
+  grad_pre16, fc1_bias_parts = engine.matmul(
       grad_out16, w2, out_dtype=operand, config=pre_config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
-      column_sums="stored" if sixteen_bit else "unrounded", approx_math=True)
+      column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
+      partial_reductions=True)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config, defer_tail=True)
   grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
                                     defer_tail=True)
-  grad_hidden_state, grad_fc1_weight, grad_fc2_weight = engine.write_tails(
-      grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret)
+  (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
+   grad_fc2_bias) = engine.write_tails(
+      grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret,
+      also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
   return (grad_hidden_state[:tokens], grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
                      problem: Problem, interpret: bool):
-  """The products' 16-bit operands and grad_fc2_bias, from one staging launch.
+  """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
   Each input that is not yet in the operand dtype with whole groups of 8 rows
   is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
   column sums (the bias gradient, of its values as given) come from the same
-  read. Returns `((grad_output, its column sums), hidden_state, gelu_output,
-  fc1_weight, fc2_weight)`."""
+  read, as partial rows. Returns `((grad_output, its partial column sums),
+  hidden_state, gelu_output, fc1_weight, fc2_weight)`."""
   padded = padded_rows(problem.tokens)
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
   rows = (padded, padded, padded, fc1_weight.shape[0], fc2_weight.shape[0])
@@ -153,7 +160,7 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
     copy = x.dtype != operand or x_rows != x.shape[0]
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
-                             sums=i == 0)
+                             sums=i == 0, finished=False)
   outs = dict(zip(jobs, staging.launch(
       [(job, (arrays[i],)) for i, job in jobs.items()], mode=problem.mode,
       interpret=interpret, name="mlp_backward_staging")))
@@ -173,49 +180,46 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   def launch(jobs, name):
     return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
 
-  def product(a, a_scale, b, b_scale, config, transpose_a=False, **epilogue):
-    """op(a) @ b on the scaled f16 operands, unscaled in the engine (a's scale per row of
-    op(a), zero past them: padded rows; b's per column), in fp32."""
-    m = a.shape[1] if transpose_a else a.shape[0]
-    row_unscale = jnp.pad(1 / a_scale, (0, m - a_scale.size))
+  def product(a, a_unscale, b, b_unscale, config, transpose_a=False, **epilogue):
+    """op(a) @ b on the scaled f16 operands, unscaled in the engine (by a's reciprocal
+    scales per row of op(a), b's per column), in fp32."""
     return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
-                         row_scale=row_unscale, col_scale=1 / b_scale,
-                         defer_tail=not epilogue, **epilogue)
+                         row_scale=a_unscale, col_scale=b_unscale, defer_tail=not epilogue,
+                         **epilogue)
 
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
-  # gradient), one for the scaled f16 copies the products read.
+  # gradient), as partial rows; one for the scaled f16 copies the products read, which
+  # reduces the maxima to the scales and the reciprocals the engine unscales by.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
-  (grad_fc2_bias, *dy_maxima), *maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, maxima=True), (x,)) for x in inputs],
-      "mlp_backward_maxima")
-  dy_column_scale, dy_row_scale = (precision.f16_scale(m) for m in dy_maxima)
-  gelu_scale, x_scale, w1_scale, w2_scale = (precision.f16_scale(column_max)
-                                             for column_max, _ in maxima)
+  (fc2_bias_parts, *dy_maxima), *maxima = launch(
+      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False), (x,))
+       for x in inputs], "mlp_backward_maxima")
   by_columns = lambda x, rows=0: Cast(x.shape, f16, rows=rows, scales=("columns",))
-  (dy_by_column, dy_by_row), gelu16, x16, w1, w2 = launch([
+  ((dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), (gelu16, gelu_unscale),
+   (x16, x_unscale), (w1, w1_unscale), (w2, w2_unscale), grad_fc2_bias) = launch([
       (Cast(grad_output.shape, f16, rows=padded, scales=("columns", "rows")),
-       (grad_output, dy_column_scale, dy_row_scale)),
-      (by_columns(gelu_output, padded), (gelu_output, gelu_scale)),
-      (by_columns(hidden_state, padded), (hidden_state, x_scale)),
-      (by_columns(fc1_weight), (fc1_weight, w1_scale)),
-      (by_columns(fc2_weight), (fc2_weight, w2_scale))], "mlp_backward_staging")
-  grad_fc2_weight = product(dy_by_column, dy_column_scale, gelu16, gelu_scale, weight_config,
-                            transpose_a=True)
+       (grad_output, *dy_maxima)),
+      (by_columns(gelu_output, padded), (gelu_output, maxima[0][0])),
+      (by_columns(hidden_state, padded), (hidden_state, maxima[1][0])),
+      (by_columns(fc1_weight), (fc1_weight, maxima[2][0])),
+      (by_columns(fc2_weight), (fc2_weight, maxima[3][0])),
+      (staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_staging")
+  grad_fc2_weight = product(dy_by_column, dy_column_unscale, gelu16, gelu_unscale,
+                            weight_config, transpose_a=True)
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
   # gelu'(0) times them. The epilogue also sums the columns (the bias gradient) and finds
   # the largest |value| of each column and row: the scales of its two f16 copies.
-  grad_pre, grad_fc1_bias, pre_column_max, pre_row_max = product(
-      dy_by_row, dy_row_scale, w2, w2_scale, pre_config, epilogue=reference.gelu_backward,
+  grad_pre, fc1_bias_parts, *pre_maxima = product(
+      dy_by_row, dy_row_unscale, w2, w2_unscale, pre_config, epilogue=reference.gelu_backward,
       epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
-      approx_math=True)
-  pre_column_scale, pre_row_scale = (precision.f16_scale(m) for m in (pre_column_max,
-                                                                      pre_row_max))
-  [(pre_by_column, pre_by_row)] = launch(
-      [(Cast(grad_pre.shape, f16, scales=("columns", "rows")),
-        (grad_pre, pre_column_scale, pre_row_scale))], "mlp_backward_pre_gelu_copies")
-  grad_fc1_weight = product(pre_by_column, pre_column_scale, x16, x_scale, weight_config,
+      approx_math=True, partial_reductions=True)
+  [(pre_by_column, pre_by_row, pre_column_unscale, pre_row_unscale), grad_fc1_bias] = launch(
+      [(Cast(grad_pre.shape, f16, scales=("columns", "rows")), (grad_pre, *pre_maxima)),
+       (staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
+      "mlp_backward_pre_gelu_copies")
+  grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
                             transpose_a=True)
-  grad_hidden_state = product(pre_by_row, pre_row_scale, w1, w1_scale, rows_config)
+  grad_hidden_state = product(pre_by_row, pre_row_unscale, w1, w1_unscale, rows_config)
   grad_hidden_state, grad_fc1_weight, grad_fc2_weight = engine.write_tails(
       grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret)
   return (grad_hidden_state[:problem.tokens], grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,

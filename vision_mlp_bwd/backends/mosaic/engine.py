@@ -194,7 +194,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
-           approx_math: bool = False, defer_tail: bool = False, interpret=None):
+           approx_math: bool = False, partial_reductions: bool = False,
+           defer_tail: bool = False, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -206,7 +207,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   the largest |value| (fp32, NaN if any is) of each column and row after them,
   `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and
   division in the kernel (the epilogue's) use the GPU's approximate instructions
-  (ex2.approx, div.approx: within 2^-22 relative). With `defer_tail`, a product whose
+  (ex2.approx, div.approx: within 2^-22 relative). With `partial_reductions`, the sums
+  and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
+  column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
   in one launch). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
@@ -279,6 +282,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
+  if (column_sums or line_maxima) and partial_reductions:
+    return tuple(outs)
   if column_sums or line_maxima:
     reduced = list(outs[1:])
     sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
@@ -303,16 +308,19 @@ class SplitProduct:
   job: staging.TailSum
 
 
-def write_tails(*products, interpret: bool = False):
+def write_tails(*products, also=(), interpret: bool = False):
   """The products whole: every `SplitProduct`'s last blocks summed (first K-part to last,
   bitwise deterministic) and written in place, all in one launch; other products as given.
-  `interpret` runs that launch in Pallas interpret mode."""
+  `also`: more `(staging job, operands)` pairs for the same launch, whose results follow
+  the products'. `interpret` runs the launch in Pallas interpret mode."""
   split = [p for p in products if isinstance(p, SplitProduct)]
-  if not split:
+  pairs = [(p.job, (p.out, p.partials)) for p in split] + list(also)
+  if not pairs:
     return products
-  written = iter(staging.launch([(p.job, (p.out, p.partials)) for p in split], mode=None,
-                                interpret=interpret, name="engine_tails"))
-  return tuple(next(written) if isinstance(p, SplitProduct) else p for p in products)
+  results = staging.launch(pairs, mode=None, interpret=interpret, name="engine_tails")
+  written = iter(results[:len(split)])
+  return (*(next(written) if isinstance(p, SplitProduct) else p for p in products),
+          *results[len(split):])
 
 
 def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
