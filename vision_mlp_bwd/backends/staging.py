@@ -63,9 +63,9 @@ class Cast:
   - `maxima`: the largest finite |x| of each column and each row (NaN and
     Inf count as 0, `precision.finite_abs`), from which the scales come.
 
-  A program covers `block[1]` columns and, when it reduces, a band of
-  `block[0]`-row tiles (at most `parts` bands: few partial sums to
-  add), one tile otherwise. Its partial sums are added in band order
+  A program covers `block[1]` columns and, when it reduces or scales, a band
+  of `block[0]`-row tiles (at most `parts` bands: few partial sums to add,
+  column scales found once per band), one tile otherwise. Its partial sums are added in band order
   (unless `finished=False`: then the sums `[bands, C]` and maxima `[bands, C]`,
   `[column blocks, R]` are returned as partial rows, for a later launch to
   reduce). Returns the copies, the reciprocal scales, then the sums, column
@@ -100,7 +100,7 @@ class Cast:
   def steps(self) -> int:
     """Row tiles per program."""
     tiles = pl.cdiv(self.out_rows, self.block[0])
-    return pl.cdiv(tiles, self.parts) if self.sums or self.maxima else 1
+    return pl.cdiv(tiles, self.parts) if self.sums or self.maxima or self.scales else 1
 
   @property
   def grid(self) -> tuple[int, int]:

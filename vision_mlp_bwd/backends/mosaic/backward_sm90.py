@@ -46,6 +46,7 @@ import json
 import pathlib
 
 import jax.numpy as jnp
+from jax import lax
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends import staging
@@ -55,6 +56,9 @@ from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
+# Bands of rows in the maxima launch: 64 took 43.0 us at S=4096 against 50.1 with 16
+# (benchmarks/NOTES.md, 43); the launch after it reduces the 64 partial rows.
+MAXIMA_PARTS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +171,8 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
   staged = [outs.get(i, x) for i, x in enumerate(arrays)]
   if not jobs[0].out_dtype:   # grad_output was only summed
     staged[0] = (grad_output, staged[0])
-  return tuple(staged)
+  # The products wait for the launch (XLA would otherwise run it beside them, slower).
+  return lax.optimization_barrier(tuple(staged))
 
 
 def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output, gelu_output,
@@ -192,8 +197,8 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # reduces the maxima to the scales and the reciprocals the engine unscales by.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
   (fc2_bias_parts, *dy_maxima), *maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False), (x,))
-       for x in inputs], "mlp_backward_maxima")
+      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False,
+             parts=MAXIMA_PARTS), (x,)) for x in inputs], "mlp_backward_maxima")
   by_columns = lambda x, rows=0: Cast(x.shape, f16, rows=rows, scales=("columns",))
   ((dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), (gelu16, gelu_unscale),
    (x16, x_unscale), (w1, w1_unscale), (w2, w2_unscale), grad_fc2_bias) = launch([
