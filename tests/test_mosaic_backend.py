@@ -137,13 +137,19 @@ def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
     assert lo in measured and hi in measured
 
 
-@pytest.mark.parametrize("tokens, rows_block, weight_block", [
-    (64, (128, 128), (128, 128)), (4096, (128, 128), (128, 128)),
-    (4097, (128, 256), (128, 256)), (16384, (128, 256), (128, 256))])
-def test_configs_by_s_from_the_file(tokens, rows_block, weight_block):
-  for dtype in (jnp.float32, jnp.bfloat16):
-    pre, rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype))
-    assert (rows.block, weights.block) == (rows_block, weight_block)
+@pytest.mark.parametrize("tokens, dtype, mode, rows_block, weight_block", [
+    (64, jnp.float32, DotMode.F16, (128, 64), (128, 128)),
+    (768, jnp.float32, DotMode.F16, (128, 64), (128, 128)),
+    (769, jnp.float32, DotMode.F16, (128, 128), (128, 128)),
+    (768, jnp.float32, DotMode.TF32, (128, 128), (128, 128)),
+    (64, jnp.bfloat16, DotMode.BF16, (128, 128), (128, 128)),
+    *((tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16, block, block)
+      for dtype in (jnp.float32, jnp.bfloat16)
+      for tokens, block in ((4096, (128, 128)), (4097, (128, 256)), (16384, (128, 256))))])
+def test_configs_by_s_from_the_file(tokens, dtype, mode, rows_block, weight_block):
+  pre, rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype, mode))
+  assert (rows.block, weights.block) == (rows_block, weight_block)
+  if jnp.dtype(dtype).itemsize == 2:
     # 16-bit outputs store 64-column (128-byte) epilogue pieces.
     width = min(pre.epilogue_tile[1], rows.epilogue_tile[1],
                 weights.epilogue_tile[1]) * jnp.dtype(dtype).itemsize

@@ -80,7 +80,7 @@ class Cast:
   scales: tuple[str, ...] = ()
   finished: bool = True
   block: tuple[int, int] = (32, 256)
-  parts: int = 16
+  parts: int = 64
 
   aliases = {}
 

@@ -42,6 +42,7 @@ first are summed and written in one launch at the end (`engine.write_tails`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import pathlib
 
@@ -56,9 +57,9 @@ from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
-# Bands of rows in the maxima launch: 64 took 43.0 us at S=4096 against 50.1 with 16
-# (benchmarks/NOTES.md, 43); the launch after it reduces the 64 partial rows.
-MAXIMA_PARTS = 64
+# Bands of rows of a scaled copy (`staging.Cast.parts`): each band loads the partial
+# column maxima once, so fewer bands than a reduction's 64 (benchmarks/NOTES.md, 43).
+SCALED_COPY_PARTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,12 +198,13 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # reduces the maxima to the scales and the reciprocals the engine unscales by.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
   (fc2_bias_parts, *dy_maxima), *maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False,
-             parts=MAXIMA_PARTS), (x,)) for x in inputs], "mlp_backward_maxima")
-  by_columns = lambda x, rows=0: Cast(x.shape, f16, rows=rows, scales=("columns",))
+      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False), (x,))
+       for x in inputs], "mlp_backward_maxima")
+  scaled = functools.partial(Cast, out_dtype=f16, parts=SCALED_COPY_PARTS)
+  by_columns = lambda x, rows=0: scaled(x.shape, rows=rows, scales=("columns",))
   ((dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), (gelu16, gelu_unscale),
    (x16, x_unscale), (w1, w1_unscale), (w2, w2_unscale), grad_fc2_bias) = launch([
-      (Cast(grad_output.shape, f16, rows=padded, scales=("columns", "rows")),
+      (scaled(grad_output.shape, rows=padded, scales=("columns", "rows")),
        (grad_output, *dy_maxima)),
       (by_columns(gelu_output, padded), (gelu_output, maxima[0][0])),
       (by_columns(hidden_state, padded), (hidden_state, maxima[1][0])),
@@ -219,7 +221,7 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
       epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
       approx_math=True, partial_reductions=True)
   [(pre_by_column, pre_by_row, pre_column_unscale, pre_row_unscale), grad_fc1_bias] = launch(
-      [(Cast(grad_pre.shape, f16, scales=("columns", "rows")), (grad_pre, *pre_maxima)),
+      [(scaled(grad_pre.shape, scales=("columns", "rows")), (grad_pre, *pre_maxima)),
        (staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_copies")
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
