@@ -65,10 +65,10 @@ class Cast:
 
   A program covers `block[1]` columns and, when it reduces or scales, a band
   of `block[0]`-row tiles (at most `parts` bands: few partial sums to add,
-  column scales found once per band), one tile otherwise. Its partial sums are added in band order
-  (unless `finished=False`: then the sums `[bands, C]` and maxima `[bands, C]`,
-  `[column blocks, R]` are returned as partial rows, for a later launch to
-  reduce). Returns the copies, the reciprocal scales, then the sums, column
+  column scales found once per band), one tile otherwise. Its partial sums
+  are added in band order (unless `finished=False`: then the sums
+  `[bands, C]` and maxima `[bands, C]`, `[column blocks, R]` are returned as
+  partial rows, for a later launch to reduce). Returns the copies, the reciprocal scales, then the sums, column
   maxima and row maxima, as asked: one array alone, or a tuple.
   """
 
@@ -210,8 +210,8 @@ class Cast:
 def _line_scales(maxima_ref, lines, mask):
   """(f16 scales, their reciprocals) of these lines, from partial maxima `[P, lines]`."""
   parts = maxima_ref.shape[0]
-  index, tile_mask = tile_indices(jnp.arange(pl.next_power_of_2(parts)),
-                                  jnp.arange(pl.next_power_of_2(parts)) < parts, lines, mask)
+  part = jnp.arange(pl.next_power_of_2(parts))
+  index, tile_mask = tile_indices(part, part < parts, lines, mask)
   largest = jnp.max(plgpu.load(maxima_ref.at[index], mask=tile_mask, other=0.0), axis=0)
   return f16_scale(largest), f16_unscale(largest)
 
@@ -297,7 +297,8 @@ class TailSum:
     (m, n), (bm, bn), (tm, tn) = self.shape, self.block, self.piece
     parts, (out,) = in_refs[1], out_refs
     per_row = bn // tn
-    t, piece = program // (per_row * (bm // tm)), program % (per_row * (bm // tm))
+    per_block = (bm // tm) * per_row
+    t, piece = program // per_block, program % per_block
     block_row, block_col = (self.first + t) // self.grid_n, (self.first + t) % self.grid_n
     in_rows = (piece // per_row) * tm + jnp.arange(tm)
     in_cols = (piece % per_row) * tn + jnp.arange(tn)
