@@ -66,11 +66,17 @@ def main(argv=None):
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
   parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+  parser.add_argument("--variants", nargs="*", default=[],
+                      help="more configs, as JSON objects of GemmConfig fields (named by the JSON)")
   parser.add_argument("--products", nargs="+", choices=list(PRODUCTS), default=list(PRODUCTS))
   parser.add_argument("--iterations", type=int, default=30)
   parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
   h, i = cases.HIDDEN, cases.INTERMEDIATE
+  configs = {label: CONFIGS[label] for label in args.configs}
+  for text in args.variants:
+    configs[text] = C(**{k: tuple(v) if isinstance(v, list) else v
+                         for k, v in json.loads(text).items()})
   rows = []
   for s in args.seq_lens:
     for name in args.products:
@@ -87,10 +93,7 @@ def main(argv=None):
       row = dict(seq_len=s, product=name, m=m, k=k, n=n, cublas_us=us,
                  cublas_tflops=flops / us / 1e6, engine={})
       print(f"S={s:6d} {name:30s} cuBLAS {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
-      for label in args.configs:
-        config = CONFIGS[label]
-        if transpose_a and config.split == "m":
-          continue
+      for label, config in configs.items():
         fn = jax.jit(functools.partial(engine.matmul, transpose_a=transpose_a, config=config))
         try:
           out = fn(a, b)

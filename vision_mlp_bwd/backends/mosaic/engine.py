@@ -221,9 +221,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if b.shape[0] != k:
     raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
-  if transpose_a and config.split == "m":
-    raise ValueError("GemmConfig.split='m' slices a transposed A along its minor dimension; "
-                     "use split='n'.")
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
   if piece_bytes < SWIZZLE:
     raise ValueError(f"GemmConfig.epilogue_tile {config.epilogue_tile} stores rows of "
