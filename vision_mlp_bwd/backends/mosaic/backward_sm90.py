@@ -29,14 +29,14 @@ sums of its fp32 columns) and the largest |value| of each row and column,
 the scales of the two f16 copies of it that the products after it read (a
 third staging launch writes both from one read). Every partial sum and
 maximum is reduced by the launch after the one that leaves it: nothing runs
-in XLA between the launches but the cut of the input gradient's padded
-rows.
+in XLA between the launches.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands are padded with zero rows by the staging launch (which add
 nothing to any sum: gelu'(0) times a zero row is zero) and the input
-gradient is cut back. The split last waves of the three products after the
-first are summed and written in one launch at the end (`engine.write_tails`).
+gradient is written with S rows (TMA drops the rest). The split last waves
+of the three products after the first are summed and written in one launch
+at the end (`engine.write_tails`).
 """
 
 from __future__ import annotations
@@ -139,12 +139,12 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config, defer_tail=True)
   grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
-                                    defer_tail=True)
+                                    defer_tail=True, out_rows=tokens)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
    grad_fc2_bias) = engine.write_tails(
       grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret,
       also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
-  return (grad_hidden_state[:tokens], grad_fc1_weight, grad_fc1_bias.astype(dtype),
+  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
 
 
@@ -186,12 +186,12 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   def launch(jobs, name):
     return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
 
-  def product(a, a_unscale, b, b_unscale, config, transpose_a=False, **epilogue):
+  def product(a, a_unscale, b, b_unscale, config, transpose_a=False, **options):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (by a's reciprocal
     scales per row of op(a), b's per column), in fp32."""
     return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
-                         row_scale=a_unscale, col_scale=b_unscale, defer_tail=not epilogue,
-                         **epilogue)
+                         row_scale=a_unscale, col_scale=b_unscale,
+                         defer_tail="epilogue" not in options, **options)
 
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
   # gradient), as partial rows; one for the scaled f16 copies the products read, which
@@ -227,8 +227,9 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
       "mlp_backward_pre_gelu_copies")
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
                             transpose_a=True)
-  grad_hidden_state = product(pre_by_row, pre_row_unscale, w1, w1_unscale, rows_config)
+  grad_hidden_state = product(pre_by_row, pre_row_unscale, w1, w1_unscale, rows_config,
+                              out_rows=problem.tokens)
   grad_hidden_state, grad_fc1_weight, grad_fc2_weight = engine.write_tails(
       grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret)
-  return (grad_hidden_state[:problem.tokens], grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
+  return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight,
           grad_fc2_bias)

@@ -195,7 +195,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
-           defer_tail: bool = False, interpret=None):
+           defer_tail: bool = False, out_rows: int | None = None, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -211,7 +211,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch). `interpret` is `plgpu.kernel`'s
+  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows` rows
+  (TMA drops the stores past them: an S-row input gradient from a product over operands
+  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -241,6 +243,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       if v.shape != (size,) or v.dtype != jnp.float32:
         raise ValueError(f"matmul: {name} has shape {v.shape} and dtype {v.dtype}; expected "
                          f"float32 [{size}].")
+  if out_rows is not None and not 0 < out_rows <= m:
+    raise ValueError(f"matmul: out_rows={out_rows}; expected 1 <= out_rows <= M = {m}.")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
         epilogue_operand.shape[0] > m):
@@ -261,7 +265,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima)
-  out_types = [jax.ShapeDtypeStruct((m, n), out_dtype)]
+  out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   sum_rows = plan.grid_mn[0] * block_m // config.tile_m
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
@@ -348,8 +352,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
   # of a 16-bit product get one buffer each, at least 32 columns wide (a
   # 128-byte swizzle), so the two epilogues fit beside the operand ring.
-  epilogue_smem = lambda dtype, buffers, width: plgpu.SMEM(
-      (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype))
+  epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
+      (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype, rows))
+  out_tile_rows = 8 if out_gmem.shape[0] % 8 == 0 else 1   # TMA reaches a ragged output
   extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, 1, max(epi_n, 32)))
                 if separate_partial_smem else {})
   if epilogue is not None:
@@ -390,7 +395,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
-      out_smem=epilogue_smem(out_dtype, slots, epi_n), **extra_smem, collective_axes="wg")
+      out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows), **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
              scales_arrived=None, col_max_smem=None, row_max_smem=None):
