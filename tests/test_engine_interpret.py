@@ -39,6 +39,10 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
                                 jnp.float32, None),
     "one wgmma group in flight, 16-bit out": (256, 256, 128, C(
         tile_n=64, stages=3, mma_in_flight=1, epilogue_tile=(64, 64)), 2, jnp.bfloat16, None),
+    "chained pipelines, K-parts after whole blocks": (256, 384, 256, C(
+        tile_n=64, stages=3, tail_splits=4, chained=True), 3, jnp.float32, None),
+    "chained pipelines, several blocks per program": (512, 384, 256, C(
+        tile_n=64, stages=2, chained=True), 3, jnp.bfloat16, None),
     "GELU epilogue, fp32 operand": (128, 128, 256, C(tile_n=64, stages=2,
                                                      epilogue_tile=(64, 64)), 2, jnp.bfloat16,
                                     jnp.float32),

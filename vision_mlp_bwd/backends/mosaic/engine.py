@@ -92,6 +92,11 @@ class GemmConfig:
   # each part keeps at least `stages` contraction steps.
   tail_splits: int = 1
   epilogue_buffers: int = 2   # epilogue pieces in flight per warpgroup (1 or 2)
+  # Chain a program's block pipelines (Pallas's `pipeline_state`): the memory warpgroup
+  # loads the next block's first stages while this block's last MMAs and epilogue run.
+  # Each block's steps are rounded up to whole rings (reading zeros past K), and no
+  # wgmma group stays in flight (mma_in_flight=0).
+  chained: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -105,6 +110,9 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
+    if self.chained and self.mma_in_flight:
+      raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
+                       f"only without delayed releases): {self}")
 
 
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
@@ -152,7 +160,9 @@ class Schedule:
 
   The first `whole` blocks in row-major order are computed whole; each of the
   remaining blocks is computed in `splits` parts of `steps_per_split`
-  contraction steps (the last part may read past K, which reads zeros).
+  contraction steps (the last part may read past K, which reads zeros). A chained
+  schedule's blocks take `whole_steps` (`k_steps` rounded up to whole rings of `ring`
+  stages) and its parts a multiple of `ring`.
   """
 
   grid_mn: tuple[int, int]
@@ -161,6 +171,12 @@ class Schedule:
   whole: int
   splits: int
   steps_per_split: int
+  ring: int = 1
+  chained: bool = False
+
+  @property
+  def whole_steps(self) -> int:
+    return pl.cdiv(self.k_steps, self.ring) * self.ring if self.chained else self.k_steps
 
   @property
   def tail(self) -> int:
@@ -176,13 +192,17 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   # Every SM gets a program even when there are fewer blocks (the others find no work): a
   # grid smaller than the SM count faulted on the H200 (benchmarks/engine_shapes.py).
   tail = blocks % programs   # all of them when there are fewer blocks than programs
+  ring = min(config.stages, k_steps)
   splits = min(programs // tail if tail else 1, config.tail_splits,
                k_steps // max(config.stages, 1))
   if tail == 0 or splits < 2:
-    return Schedule(grid_mn, programs, k_steps, blocks, 1, k_steps)
+    return Schedule(grid_mn, programs, k_steps, blocks, 1, k_steps, ring, config.chained)
   steps_per_split = pl.cdiv(k_steps, splits)
+  if config.chained:
+    steps_per_split = pl.cdiv(steps_per_split, ring) * ring
   splits = pl.cdiv(k_steps, steps_per_split)
-  return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split)
+  return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split, ring,
+                  config.chained)
 
 
 def num_sms() -> int:
@@ -384,11 +404,11 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
                            transforms=swizzled_tiles(dtype), delay_release=delay)
 
-  def pipeline(body, compute_context, steps):
+  def pipeline(body, compute_context, steps, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=config.stages,
-        compute_context=compute_context)
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=plan.ring,
+        compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
 
@@ -493,8 +513,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
-    def run_block(bm, bn, k_first_step, steps, partial_index=None):
-      """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile."""
+    def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None):
+      """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
+      the program's `seq`-th pipeline of a chained schedule."""
       row0, col0 = bm * block_m + wg_row0, bn * block_n + wg_col0   # this warpgroup's tile
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
 
@@ -517,19 +538,39 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
 
       block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
       a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
-      pipeline(mma, compute_context, steps)(a_view, b_gmem.at[k_range, block_cols],
-                                            allocations=allocations)
+      run = lambda state: pipeline(mma, compute_context, steps, state)(
+          a_view, b_gmem.at[k_range, block_cols], allocations=allocations)
+      if seq is None:
+        return run(None)
+      # START, STEADY..., STOP; a program of one block runs it unchained (Pallas has no
+      # state that both starts and stops).
+      @pl.when(pipelines_here == 1)
+      def _alone():
+        run(None)
+
+      @pl.when(pipelines_here > 1)
+      def _chained():
+        state = lax.select(seq == 0, START, lax.select(seq == pipelines_here - 1, STOP, STEADY))
+        run(state)
+
+    START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
+    program, programs = lax.axis_index("program"), plan.programs
+    count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
+    whole_here = count_here(plan.whole)
+    pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
+    chain = lambda seq: seq if config.chained else None
 
     if plan.whole:
       @plgpu.nd_loop((plan.whole,), collective_axes="program")
       def _whole_blocks(loop):
         (index,) = loop.index
-        run_block(*whole_block(index), 0, plan.k_steps)
+        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index))
     if partial_gmem:
       @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
       def _tail_parts(loop):
         (index,) = loop.index
-        run_block(*tail_part(index), plan.steps_per_split, partial_index=index)
+        run_block(*tail_part(index), plan.steps_per_split, partial_index=index,
+                  seq=chain(whole_here + loop.local_index))
     if reduces_columns:
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
