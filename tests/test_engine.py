@@ -230,3 +230,24 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
                                         jnp.float32, False, epilogue_dtype, column_sums=reduced,
                                         scales=scaled, line_maxima=reduced)
   assert 0 <= counted - estimate <= engine.BARRIER_SLACK_BYTES, (counted, estimate)
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4, 6, 8])
+def test_a_chained_schedule_covers_k_once_in_whole_rings(stages):
+  """Chained pipelines need steps in whole rings: every block's steps and every K-part's
+  are multiples of the ring, the ring is at least half the configured stages (or all
+  the steps there are), and the parts cover K's steps exactly once, none empty."""
+  config = engine.GemmConfig(tile_n=64, stages=stages, chained=True, tail_splits=16)
+  for k_steps in range(1, 81):
+    plan = engine.schedule(1280, 3584, 64 * k_steps, config, 132)
+    deepest = min(stages, k_steps)
+    assert max(1, min(2, deepest), deepest // 2) <= plan.ring <= deepest
+    assert plan.whole_steps % plan.ring == 0 and 0 <= plan.whole_steps - k_steps < plan.ring
+    if plan.splits > 1:
+      assert plan.steps_per_split % plan.ring == 0
+      assert (plan.splits - 1) * plan.steps_per_split < k_steps <= plan.splits * plan.steps_per_split
+
+
+def test_chained_takes_no_wgmma_group_in_flight():
+  with pytest.raises(ValueError, match="chained takes mma_in_flight=0"):
+    engine.GemmConfig(chained=True, mma_in_flight=1)

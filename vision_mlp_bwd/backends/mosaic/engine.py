@@ -192,7 +192,7 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   # Every SM gets a program even when there are fewer blocks (the others find no work): a
   # grid smaller than the SM count faulted on the H200 (benchmarks/engine_shapes.py).
   tail = blocks % programs   # all of them when there are fewer blocks than programs
-  ring = min(config.stages, k_steps)
+  ring = _ring(config, k_steps)
   splits = min(programs // tail if tail else 1, config.tail_splits,
                k_steps // max(config.stages, 1))
   if tail == 0 or splits < 2:
@@ -203,6 +203,17 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
   splits = pl.cdiv(k_steps, steps_per_split)
   return Schedule(grid_mn, programs, k_steps, blocks - tail, splits, steps_per_split, ring,
                   config.chained)
+
+
+def _ring(config: GemmConfig, k_steps: int) -> int:
+  """Stages of the operand ring. A chained schedule rounds its steps up to whole rings:
+  of the depths from `stages` down to half of it, the deepest that pads the fewest
+  steps (8 steps take a ring of 4, not 6 and 12 steps; 19 steps 5 and 20)."""
+  deepest = min(config.stages, k_steps)
+  if not config.chained:
+    return deepest
+  shallowest = max(1, min(2, deepest), deepest // 2)
+  return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
 def num_sms() -> int:
