@@ -18,6 +18,8 @@ in bf16 (unit roundoff 2^-8).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -164,3 +166,25 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound(
   exact, bound = _exact_and_bound(a, b, extra.get("epilogue_operand"), out_dtype, scale)
   error = np.abs(np.asarray(out, np.float64) - exact)
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
+
+
+@pytest.mark.parametrize("mma_in_flight", [0, 1])
+def test_an_fp32_b_converted_in_shared_memory_is_the_product_of_its_rounding(mma_in_flight):
+  """`GemmConfig.convert_b`: an fp32 B rounded to A's dtype by the compute warpgroups (into
+  one converted tile per wgmma group in flight, plus one) gives bitwise the product of B
+  rounded first, over whole blocks and the split tail's K-parts (same products, same
+  accumulation order)."""
+  m, k, n = 256, 384, 256
+  keys = jax.random.split(jax.random.key(5 + mma_in_flight), 2)
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.float32)
+  config = C(tile_n=64, stages=3, tail_splits=4, mma_in_flight=mma_in_flight,
+             epilogue_tile=(64, 32))
+  run = lambda b, config: engine.matmul(a, b, config=config, num_programs=3,
+                                        interpret=interpret_params.InterpretGPUParams())
+  converted = run(b, dataclasses.replace(config, convert_b=True))
+  rounded_first = run(b.astype(jnp.bfloat16), config)
+  assert engine.schedule(m, n, k, config, 3).splits > 1
+  np.testing.assert_array_equal(np.asarray(converted), np.asarray(rounded_first))
+  exact, bound = _exact_and_bound(a, b.astype(jnp.bfloat16), None, jnp.float32)
+  assert np.all(np.abs(np.asarray(converted, np.float64) - exact) <= bound)

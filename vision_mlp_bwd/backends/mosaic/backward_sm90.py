@@ -123,9 +123,13 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                           gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
+  # fp32 right operands that a product converts in shared memory (GemmConfig.convert_b)
+  # are read as they are: (hidden_state, gelu_output, fc1_weight, fc2_weight).
+  converted = (weight_config.convert_b, weight_config.convert_b, rows_config.convert_b,
+               pre_config.convert_b)
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret)
+      interpret, converted)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config, defer_tail=True)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
@@ -149,13 +153,14 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem, interpret: bool):
+                     problem: Problem, interpret: bool, converted=(False,) * 4):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
   Each input that is not yet in the operand dtype with whole groups of 8 rows
   is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
   column sums (the bias gradient, of its values as given) come from the same
-  read, as partial rows. Returns `((grad_output, its partial column sums),
+  read, as partial rows. An fp32 input whose product converts it (`converted`, for
+  hidden_state, gelu_output, fc1_weight, fc2_weight) is passed as it is. Returns `((grad_output, its partial column sums),
   hidden_state, gelu_output, fc1_weight, fc2_weight)`."""
   padded = padded_rows(problem.tokens)
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
@@ -163,6 +168,8 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
     copy = x.dtype != operand or x_rows != x.shape[0]
+    if i and converted[i - 1] and x.dtype == jnp.float32:
+      continue
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
                              sums=i == 0, finished=False)
