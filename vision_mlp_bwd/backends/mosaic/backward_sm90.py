@@ -3,9 +3,10 @@
 On 16-bit products (F16 or BF16 on fp32 inputs, any precision on bf16 and
 f16 inputs, as `precision.for_inputs` says; TF32 below): one staging launch
 (`backends/staging.py`) copies each input not yet in the product dtype (or
-with S not a multiple of 8) to it, and sums grad_output's columns on the same
-read (grad_fc2_bias); the four products run in the layouts the operands
-arrive in. The first, `grad_output @ fc2_weight`,
+with S not a multiple of 8) to it, but for the fp32 right operands of
+products that convert them themselves (`GemmConfig.convert_b`), and sums
+grad_output's columns on the same read (grad_fc2_bias); the four products
+run in the layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
 arrive by TMA while its MMAs run), stores the pre-GELU gradient once, in the
 product dtype the other two products read, and sums its columns into the

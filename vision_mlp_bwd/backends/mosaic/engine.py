@@ -16,7 +16,10 @@ How it runs (the design of jax's `hopper_matmul_mgpu` example):
   are moved from the memory warpgroup to them);
 - the epilogue writes each half through shared memory by TMA, in
   `epilogue_tile` pieces, double-buffered, so the next block's loads start
-  while the stores drain.
+  while the stores drain; with `chained`, a program's block pipelines form
+  one chain, so the memory warpgroup never waits for a block to finish;
+- with `convert_b`, B may be fp32: the compute warpgroups round each staged
+  tile into a 16-bit one before its MMAs, so no 16-bit copy of B is written.
 
 The last wave: a persistent grid of P programs over T output blocks leaves
 T mod P blocks for a last, partly idle wave (the weight gradients at
