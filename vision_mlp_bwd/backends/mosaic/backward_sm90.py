@@ -161,8 +161,9 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
   is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
   column sums (the bias gradient, of its values as given) come from the same
   read, as partial rows. An fp32 input whose product converts it (`converted`, for
-  hidden_state, gelu_output, fc1_weight, fc2_weight) is passed as it is. Returns `((grad_output, its partial column sums),
-  hidden_state, gelu_output, fc1_weight, fc2_weight)`."""
+  hidden_state, gelu_output, fc1_weight, fc2_weight) is passed as it is. Returns
+  `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
+  fc2_weight)`."""
   padded = padded_rows(problem.tokens)
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
   rows = (padded, padded, padded, fc1_weight.shape[0], fc2_weight.shape[0])
