@@ -252,7 +252,8 @@ def test_a_chained_schedule_covers_k_once_in_whole_rings(stages):
     assert plan.whole_steps % plan.ring == 0 and 0 <= plan.whole_steps - k_steps < plan.ring
     if plan.splits > 1:
       assert plan.steps_per_split % plan.ring == 0
-      assert (plan.splits - 1) * plan.steps_per_split < k_steps <= plan.splits * plan.steps_per_split
+      parts = plan.splits * plan.steps_per_split
+      assert parts - plan.steps_per_split < k_steps <= parts
 
 
 def test_chained_takes_no_wgmma_group_in_flight():

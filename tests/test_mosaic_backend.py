@@ -242,10 +242,10 @@ def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkey
                          ids=["fp32", "bf16"])
 def test_right_operands_converted_in_the_products_give_the_same_gradients(
     monkeypatch, tokens, dtype, mode):
-  """With `convert_b` in every table (where the config splits along N), the fp32 inputs that are right operands reach the
-  products as they are (no staging copy) and are rounded there: the gradients are bitwise
-  those of the staged operands (jnp stand-ins for the engine, which round b as it does);
-  16-bit inputs are staged as before."""
+  """With `convert_b` in every table (where the config splits along N), the fp32 inputs
+  that are right operands reach the products as they are (no staging copy) and are
+  rounded there: the gradients are bitwise those of the staged operands (jnp stand-ins
+  for the engine, which round b as it does); 16-bit inputs are staged as before."""
   monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
   tables = mosaic_backward.TABLES
   converting = dataclasses.replace(tables, **{

@@ -452,7 +452,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
-      out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows), **extra_smem, collective_axes="wg")
+      out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows), **extra_smem,
+      collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
              scales_arrived=None, col_max_smem=None, row_max_smem=None, converted_smem=None):
