@@ -43,7 +43,7 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
         tile_n=64, stages=3, mma_in_flight=1, epilogue_tile=(64, 64)), 2, jnp.bfloat16, None),
     "chained pipelines, K-parts after whole blocks": (256, 384, 256, C(
         tile_n=64, stages=3, tail_splits=4, chained=True), 3, jnp.float32, None),
-    "chained pipelines, several blocks per program": (512, 384, 256, C(
+    "chained pipelines, several blocks per program": (512, 128, 256, C(
         tile_n=64, stages=2, chained=True), 3, jnp.bfloat16, None),
     "GELU epilogue, fp32 operand": (128, 128, 256, C(tile_n=64, stages=2,
                                                      epilogue_tile=(64, 64)), 2, jnp.bfloat16,
@@ -168,18 +168,16 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound(
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
 
 
-@pytest.mark.parametrize("mma_in_flight", [0, 1])
-def test_an_fp32_b_converted_in_shared_memory_is_the_product_of_its_rounding(mma_in_flight):
+def test_an_fp32_b_converted_in_shared_memory_is_the_product_of_its_rounding():
   """`GemmConfig.convert_b`: an fp32 B rounded to A's dtype by the compute warpgroups (into
-  one converted tile per wgmma group in flight, plus one) gives bitwise the product of B
+  two converted tiles in turn, one wgmma group in flight) gives bitwise the product of B
   rounded first, over whole blocks and the split tail's K-parts (same products, same
   accumulation order)."""
-  m, k, n = 256, 384, 256
-  keys = jax.random.split(jax.random.key(5 + mma_in_flight), 2)
+  m, k, n = 256, 256, 256
+  keys = jax.random.split(jax.random.key(5), 2)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.float32)
-  config = C(tile_n=64, stages=3, tail_splits=4, mma_in_flight=mma_in_flight,
-             epilogue_tile=(64, 32))
+  config = C(tile_n=64, stages=2, tail_splits=4, mma_in_flight=1, epilogue_tile=(64, 32))
   run = lambda b, config: engine.matmul(a, b, config=config, num_programs=3,
                                         interpret=interpret_params.InterpretGPUParams())
   converted = run(b, dataclasses.replace(config, convert_b=True))
