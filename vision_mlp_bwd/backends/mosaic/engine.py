@@ -598,12 +598,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         state = lax.select(seq == 0, START, lax.select(seq == pipelines_here - 1, STOP, STEADY))
         run(state)
 
-    START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
-    program, programs = lax.axis_index("program"), plan.programs
-    count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
-    whole_here = count_here(plan.whole)
-    pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
-    chain = lambda seq: seq if config.chained else None
+    chain, whole_here = (lambda seq: None), 0
+    if config.chained:   # this program's pipelines: its whole blocks, then its K-parts
+      START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
+      program, programs = lax.axis_index("program"), plan.programs
+      count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
+      whole_here = count_here(plan.whole)
+      pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
+      chain = lambda seq: seq
 
     if plan.whole:
       @plgpu.nd_loop((plan.whole,), collective_axes="program")
