@@ -24,14 +24,17 @@ def _train_vit(*args):
 
 
 @pytest.mark.slow
-def test_train_vit_fast_reaches_90_percent_and_exits_by_min_accuracy(tmp_path):
-  """One `--fast` run: >= 90%, its loss curve, and the exit status `--min-accuracy` asks
-  for (0.999: above what 600 steps reach, so the non-zero exit runs too)."""
-  result = _train_vit("--fast", "--out", str(tmp_path), "--min-accuracy", "0.999")
+def test_train_vit_fast_writes_its_loss_curve_and_exits_by_min_accuracy(tmp_path):
+  """A short `--fast` run: its accuracy line, its loss curve, and the exit status
+  `--min-accuracy` asks for (0.999: above what 100 steps reach, so the non-zero exit runs
+  too). That the 600 steps of `--fast` reach >= 90% is the notebook's test below: the
+  same model, steps and seed (`vit.FAST`, `vit.fit(..., steps=600, seed=0)`)."""
+  result = _train_vit("--fast", "--steps", "100", "--out", str(tmp_path),
+                      "--min-accuracy", "0.999")
   accuracy = _accuracy(result.stdout)
+  assert 0 < accuracy <= 1
   assert result.returncode == (0 if accuracy >= 0.999 else 1), (
       result.stdout[-2000:] + result.stderr[-3000:])
-  assert accuracy >= 0.9
   assert (tmp_path / "loss_curve.png").stat().st_size > 10_000
 
 

@@ -174,11 +174,8 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
                 col_scale=None, partial_reductions=False, out_rows=None, **_):
-  """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands, an
-  fp32 b rounded to a's dtype first; partial reductions as one part each)."""
-  b = b.astype(a.dtype)
-  if b.shape[0] < a.shape[1 - transpose_a]:   # a converted b's rows past its end read as zeros
-    b = jnp.pad(b, ((0, a.shape[1 - transpose_a] - b.shape[0]), (0, 0)))
+  """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
+  partial reductions as one part each)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   if row_scale is not None:
@@ -235,35 +232,3 @@ def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkey
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
     np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=name)
     assert np.any(~np.isfinite(a)), name
-
-
-@pytest.mark.parametrize("dtype, mode", [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16)],
-                         ids=["fp32", "bf16"])
-def test_right_operands_converted_in_the_products_give_the_same_gradients(
-    monkeypatch, dtype, mode, tokens=7):
-  """With `convert_b` in every table (where the config splits along N), the fp32 inputs
-  that are right operands reach the products as they are (no staging copy) and are
-  rounded there: the gradients are bitwise those of the staged operands (jnp stand-ins
-  for the engine, which round b as it does); 16-bit inputs are staged as before."""
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
-  tables = mosaic_backward.TABLES
-  converting = dataclasses.replace(tables, **{
-      product: {name: tuple((bound, dataclasses.replace(c, convert_b=c.split == "n"))
-                            for bound, c in rows)
-                for name, rows in getattr(tables, product).items()}
-      for product in ("pre_gelu", "rows", "weight_grads")})
-  inputs = [x.astype(dtype) for x in helpers.backward_inputs(tokens, 128, 256)]
-  problem = _problem(tokens, dtype, mode, 128, 256)
-  jobs = []
-  launch = mosaic_backward.staging.launch
-  monkeypatch.setattr(mosaic_backward.staging, "launch",
-                      lambda pairs, **kw: jobs.append(len(pairs)) or launch(pairs, **kw))
-  run = lambda t: jax.jit(lambda *a: mosaic_backward.backward(
-      *a, problem=problem, tables=t, interpret=True))(*inputs)
-  for expected, got in zip(run(tables), run(converting)):
-    np.testing.assert_array_equal(np.asarray(expected), np.asarray(got))
-  staged, converted_run = jobs[0], jobs[2]   # each run: staging, then the tails
-  configs = converting.configs(problem)
-  skipped = sum(c.convert_b for c in (configs[2], configs[2], configs[1], configs[0]))
-  assert converted_run == (staged - skipped if dtype == jnp.float32 else staged)
-  assert dtype != jnp.float32 or skipped >= 2

@@ -3,10 +3,9 @@
 On 16-bit products (F16 or BF16 on fp32 inputs, any precision on bf16 and
 f16 inputs, as `precision.for_inputs` says; TF32 below): one staging launch
 (`backends/staging.py`) copies each input not yet in the product dtype (or
-with S not a multiple of 8) to it, but for the fp32 right operands of
-products that convert them themselves (`GemmConfig.convert_b`), and sums
-grad_output's columns on the same read (grad_fc2_bias); the four products
-run in the layouts the operands arrive in. The first, `grad_output @ fc2_weight`,
+with S not a multiple of 8) to it, and sums grad_output's columns on the same
+read (grad_fc2_bias); the four products run in the layouts the operands
+arrive in. The first, `grad_output @ fc2_weight`,
 applies the reference's GELU derivative in its epilogue (`fc1_output` tiles
 arrive by TMA while its MMAs run), stores the pre-GELU gradient once, in the
 product dtype the other two products read, and sums its columns into the
@@ -124,13 +123,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                           gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
-  # fp32 right operands that a product converts in shared memory (GemmConfig.convert_b)
-  # are read as they are: (hidden_state, gelu_output, fc1_weight, fc2_weight).
-  converted = (weight_config.convert_b, weight_config.convert_b, rows_config.convert_b,
-               pre_config.convert_b)
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret, converted)
+      interpret)
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config, defer_tail=True)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
@@ -154,24 +149,20 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem, interpret: bool, converted=(False,) * 4):
+                     problem: Problem, interpret: bool):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
   Each input that is not yet in the operand dtype with whole groups of 8 rows
   is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
   column sums (the bias gradient, of its values as given) come from the same
-  read, as partial rows. An fp32 input whose product converts it (`converted`, for
-  hidden_state, gelu_output, fc1_weight, fc2_weight) is passed as it is. Returns
-  `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
-  fc2_weight)`."""
+  read, as partial rows. Returns `((grad_output, its partial column sums),
+  hidden_state, gelu_output, fc1_weight, fc2_weight)`."""
   padded = padded_rows(problem.tokens)
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
   rows = (padded, padded, padded, fc1_weight.shape[0], fc2_weight.shape[0])
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
     copy = x.dtype != operand or x_rows != x.shape[0]
-    if i and converted[i - 1] and x.dtype == jnp.float32:
-      continue
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
                              sums=i == 0, finished=False)

@@ -17,9 +17,7 @@ How it runs (the design of jax's `hopper_matmul_mgpu` example):
 - the epilogue writes each half through shared memory by TMA, in
   `epilogue_tile` pieces, double-buffered, so the next block's loads start
   while the stores drain; with `chained`, a program's block pipelines form
-  one chain, so the memory warpgroup never waits for a block to finish;
-- with `convert_b`, B may be fp32: the compute warpgroups round each staged
-  tile into a 16-bit one before its MMAs, so no 16-bit copy of B is written.
+  one chain, so the memory warpgroup never waits for a block to finish.
 
 The last wave: a persistent grid of P programs over T output blocks leaves
 T mod P blocks for a last, partly idle wave (the weight gradients at
@@ -100,10 +98,6 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
-  # An fp32 B is converted to A's dtype in shared memory: each compute warpgroup loads its
-  # columns of the staged fp32 tile, rounds them and stores the 16-bit tile wgmma reads
-  # (split="n": a warpgroup converts only the columns it multiplies).
-  convert_b: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -117,8 +111,6 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
-    if self.convert_b and self.split != "n":
-      raise ValueError(f"GemmConfig.convert_b takes split='n': {self}")
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
@@ -133,7 +125,7 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
                         split_tail: bool, epilogue_dtype=None, column_sums=False,
-                        scales=False, line_maxima=False, b_dtype=None) -> int:
+                        scales=False, line_maxima=False) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers, each
   buffer aligned to SMEM_ALIGNMENT_BYTES as Pallas places them.
 
@@ -143,12 +135,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   """
   block_m, block_n = config.block
   epi_m, epi_n = config.epilogue_tile
-  stages = min(config.stages, k_steps) * config.tile_k
-  b_bytes = jnp.dtype(b_dtype or dtype).itemsize
-  buffers = [stages * block_m * jnp.dtype(dtype).itemsize, stages * block_n * b_bytes]
-  if b_dtype is not None and jnp.dtype(b_dtype) != jnp.dtype(dtype):   # converted B tiles
-    buffers.append(2 * _converted_slots(config) * config.tile_k * config.tile_n
-                   * jnp.dtype(dtype).itemsize)
+  stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
+  buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   buffers.append(2 * slots * epi_m * epi_n * out_bytes)
@@ -218,11 +206,6 @@ def schedule(m: int, n: int, k: int, config: GemmConfig, programs: int) -> Sched
                   config.chained)
 
 
-def _converted_slots(config: GemmConfig) -> int:
-  """Converted B tiles per warpgroup: one more than the wgmma groups left in flight."""
-  return 1 + config.mma_in_flight
-
-
 def _ring(config: GemmConfig, k_steps: int) -> int:
   """Stages of the operand ring. A chained schedule rounds its steps up to whole rings:
   of the depths from `stages` down to half of it, the deepest that pads the fewest
@@ -265,14 +248,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
-  convert_b = config.convert_b and b.dtype == jnp.float32
-  if jnp.dtype(a.dtype).itemsize != 2 or (a.dtype != b.dtype and not convert_b):
-    raise TypeError(f"matmul takes two operands of one 16-bit dtype (or a float32 b with "
-                    f"GemmConfig.convert_b); got a {a.dtype}, b {b.dtype}.")
+  if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
+    raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
+                    f"b {b.dtype}.")
   (m, k) = a.shape[::-1] if transpose_a else a.shape
-  if not (b.shape[0] == k or convert_b and k - 8 < b.shape[0] <= k):
-    raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N]"
-                     + (" (or fewer than 8 rows less, read as zeros)" if convert_b else "") + ".")
+  if b.shape[0] != k:
+    raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
   if piece_bytes < SWIZZLE:
@@ -305,8 +286,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None, row_scale is not None, line_maxima,
-                             b.dtype)
+                             column_sums is not None, row_scale is not None, line_maxima)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
@@ -433,13 +413,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
   a_spec = plgpu.BlockSpec(a_tile, (lambda kk: (kk, 0)) if transpose_a else (lambda kk: (0, kk)),
                            transforms=swizzled_tiles(dtype), delay_release=delay)
-  convert_b = b_gmem.dtype != dtype
-  b_rows = 8 if b_gmem.shape[0] % 8 == 0 else 1   # a converted B may have a ragged K
   b_spec = plgpu.BlockSpec((tile_k, block_n), lambda kk: (kk, 0),
-                           transforms=swizzled_tiles(b_gmem.dtype, b_rows), delay_release=delay)
-  if convert_b:
-    extra_smem.update(converted_smem=plgpu.SMEM((2, _converted_slots(config), tile_k, tile_n),
-                                                dtype, transforms=swizzled_tiles(dtype)))
+                           transforms=swizzled_tiles(dtype), delay_release=delay)
 
   def pipeline(body, compute_context, steps, state=None):
     return plgpu.emit_pipeline_warp_specialized(
@@ -456,7 +431,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None, converted_smem=None):
+             scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0):
@@ -565,19 +540,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(indices, a_smem, b_smem, acc_ref):
-        b_tile = b_smem.at[:, wg_cols]
-        if convert_b:   # the slot's last reader, `mma_in_flight` steps back, is done
-          (kk,) = indices
-          converted = converted_smem.at[wg, lax.rem(kk, converted_smem.shape[1])]
-          converted[...] = b_tile[...].astype(dtype)
-          plgpu.commit_smem()
-          b_tile = converted
+      def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
-                      else a_smem.transpose((1, 0)), b_tile)
+                      else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
         else:
-          plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_tile)
+          plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
         plgpu.wgmma_wait(delay)
         return acc_ref
 
