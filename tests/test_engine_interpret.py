@@ -41,10 +41,9 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
         tile_n=64, stages=2, tail_splits=4, chained=True), 3, jnp.float32, None),
     "chained pipelines, several blocks per program": (512, 128, 256, C(
         tile_n=64, stages=2, chained=True), 3, jnp.bfloat16, None),
-    # 5 steps: its four 64x32 pieces of gelu' are computed after the MMAs of steps 1-4.
-    "GELU derivative during the MMAs, fp32 operand": (128, 320, 256, C(
-        tile_n=64, stages=2, epilogue_tile=(64, 64), prep_during_mmas=True), 2, jnp.bfloat16,
-        jnp.float32),
+    "GELU epilogue, fp32 operand": (128, 128, 256, C(tile_n=64, stages=2,
+                                                     epilogue_tile=(64, 64)), 2, jnp.bfloat16,
+                                    jnp.float32),
     "GELU epilogue, bf16 operand": (128, 128, 256, C(tile_n=64, stages=2,
                                                      epilogue_tile=(64, 64)), 2, jnp.bfloat16,
                                     jnp.bfloat16),
@@ -85,8 +84,7 @@ def test_engine_in_interpret_mode_within_its_bound(case):
   extra = {}
   if operand_dtype is not None:
     x = jax.random.normal(keys[2], (m, n), operand_dtype) * 3
-    extra = dict(epilogue=lambda acc, gelu_grad: acc * gelu_grad, epilogue_operand=x,
-                 epilogue_prep=reference.gelu_tanh_grad)
+    extra = dict(epilogue=reference.gelu_backward, epilogue_operand=x)
   # Unwritten output elements read as NaN in the interpreter, and fail the bound.
   out = engine.matmul(a, b, config=config, num_programs=programs, out_dtype=out_dtype,
                       interpret=interpret_params.InterpretGPUParams(), **extra)

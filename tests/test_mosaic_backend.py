@@ -172,8 +172,8 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
-                epilogue_operand=None, epilogue_prep=None, column_sums=None, line_maxima=False,
-                row_scale=None, col_scale=None, partial_reductions=False, out_rows=None, **_):
+                epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
+                col_scale=None, partial_reductions=False, out_rows=None, **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
   partial reductions as one part each)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
@@ -183,8 +183,7 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
   value = acc
   if epilogue is not None:
     rows = acc.shape[0] - epilogue_operand.shape[0]
-    operand = jnp.pad(epilogue_operand, ((0, rows), (0, 0))).astype(jnp.float32)
-    value = epilogue(acc, operand if epilogue_prep is None else epilogue_prep(operand))
+    value = epilogue(acc, jnp.pad(epilogue_operand, ((0, rows), (0, 0))))
   out = value.astype(out_dtype)[:out_rows]
   extra = ()
   if column_sums:

@@ -129,12 +129,11 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
                                   config=weight_config, defer_tail=True)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
-  # reference.gelu_backward, on the product as jnp.matmul returns it (16-bit inputs: rounded).
-  pre_gelu = ((lambda acc, gelu_grad: acc.astype(dtype).astype(jnp.float32) * gelu_grad)
-              if sixteen_bit else _times)
+  pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
+              else reference.gelu_backward)
   grad_pre16, fc1_bias_parts = engine.matmul(
-      grad_out16, w2, out_dtype=operand, config=pre_config, epilogue=pre_gelu,
-      epilogue_operand=fc1_output, epilogue_prep=reference.gelu_tanh_grad,
+      grad_out16, w2, out_dtype=operand, config=pre_config,
+      epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
       partial_reductions=True)
   grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
@@ -147,12 +146,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
-
-
-def _times(acc, gelu_grad):
-  """The pre-GELU gradient from the fp32 product and gelu'(fc1_output) (the engine's
-  `epilogue_prep`): reference.gelu_backward, bitwise."""
-  return acc * gelu_grad
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
@@ -225,9 +218,9 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # gelu'(0) times them. The epilogue also sums the columns (the bias gradient) and finds
   # the largest |value| of each column and row: the scales of its two f16 copies.
   grad_pre, fc1_bias_parts, *pre_maxima = product(
-      dy_by_row, dy_row_unscale, w2, w2_unscale, pre_config, epilogue=_times,
-      epilogue_operand=fc1_output, epilogue_prep=reference.gelu_tanh_grad,
-      column_sums="unrounded", line_maxima=True, approx_math=True, partial_reductions=True)
+      dy_by_row, dy_row_unscale, w2, w2_unscale, pre_config, epilogue=reference.gelu_backward,
+      epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
+      approx_math=True, partial_reductions=True)
   [(pre_by_column, pre_by_row, pre_column_unscale, pre_row_unscale), grad_fc1_bias] = launch(
       [(scaled(grad_pre.shape, scales=("columns", "rows")), (grad_pre, *pre_maxima)),
        (staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],

@@ -32,12 +32,7 @@ writes the output's last r blocks in place.
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 (the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). Such a
-product is not split along K (`fn` needs the whole sum). What depends on `X`
-alone (`epilogue_prep`, the GELU derivative) can run during the MMAs
-(`GemmConfig.prep_during_mmas`): the compute warpgroups apply it to the fp32
-`X` tile in shared memory, a 64x32 piece after each of a few of the block's
-wgmma issues, while the tensor cores work; the epilogue then stores
-`fn(acc, prep(X))`. It can also return
+product is not split along K (`fn` needs the whole sum). It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
 of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
@@ -103,10 +98,6 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
-  # With an `epilogue_prep` on an fp32 epilogue operand: compute it on the operand tile in
-  # shared memory, in place, in pieces between the block's MMAs (the ALUs are idle while
-  # wgmma runs), so that the epilogue only combines it with the accumulator.
-  prep_during_mmas: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -226,23 +217,6 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
-PREP_PIECE = (64, 32)   # rows, columns of one in-place epilogue_prep piece (fp32: a swizzle tile)
-
-
-def _prep_steps(config: GemmConfig, plan: Schedule) -> tuple[int, ...]:
-  """The contraction steps after which each PREP_PIECE of a warpgroup's epilogue operand
-  tile is prepared (`GemmConfig.prep_during_mmas`): spread from a quarter of the block's
-  steps on, so the tile's TMA copy has arrived; none (the epilogue prepares the tile)
-  without the option or with fewer steps than pieces."""
-  pieces = (config.tile_m // PREP_PIECE[0]) * (config.tile_n // PREP_PIECE[1])
-  steps = plan.whole_steps   # an epilogue's product has whole blocks only
-  if not config.prep_during_mmas or steps <= pieces:
-    return ()
-  first = max(1, steps // 4)
-  stride = max(1, (steps - first) // pieces)
-  return tuple(first + i * stride for i in range(pieces))
-
-
 def num_sms() -> int:
   device = jax.devices()[0]
   return int(getattr(device, "core_count", 0) or 132)
@@ -250,14 +224,13 @@ def num_sms() -> int:
 
 def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            config: GemmConfig = GemmConfig(), num_programs: int | None = None,
-           epilogue: Callable | None = None, epilogue_operand=None,
-           epilogue_prep: Callable | None = None, column_sums=None, line_maxima: bool = False, row_scale=None, col_scale=None,
+           epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
+           line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
            defer_tail: bool = False, out_rows: int | None = None, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
-  With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32 (with
-  `epilogue_prep`, `epilogue(acc, epilogue_prep(epilogue_operand))`, elementwise)
+  With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
   (`epilogue_operand` `[M', N]`, M' <= M: rows past it read as zeros, and rows past M
   add `epilogue(0, 0)` to the column sums). `row_scale` [M] and `col_scale` [N] (fp32,
   given together) multiply the accumulator's rows and columns first.
@@ -289,14 +262,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                      f"epilogue needs >= {SWIZZLE}.")
   if (epilogue is None) != (epilogue_operand is None):
     raise ValueError("matmul takes epilogue and epilogue_operand together.")
-  if epilogue_prep is not None and epilogue is None:
-    raise ValueError("matmul: epilogue_prep prepares the epilogue's operand; pass epilogue "
-                     "and epilogue_operand too.")
-  if config.prep_during_mmas and (epilogue_prep is None or epilogue_operand.dtype != jnp.float32):
-    raise ValueError(
-        f"GemmConfig.prep_during_mmas computes epilogue_prep in place on an fp32 epilogue "
-        f"operand; got epilogue_prep={epilogue_prep}, epilogue_operand "
-        f"{None if epilogue_operand is None else epilogue_operand.dtype}.")
   if column_sums not in COLUMN_SUMS or (column_sums and epilogue is None):
     raise ValueError(f"matmul: column_sums={column_sums!r}; it takes one of {COLUMN_SUMS}, "
                      "and sums only with an epilogue.")
@@ -330,8 +295,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   block_m, block_n = config.block
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
-                             epilogue=epilogue, epilogue_prep=epilogue_prep,
-                             column_sums=column_sums, scaled=bool(scales),
+                             epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   sum_rows = plan.grid_mn[0] * block_m // config.tile_m
@@ -398,8 +362,7 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
-            epilogue: Callable | None, epilogue_prep: Callable | None,
-            column_sums: str | None, scaled: bool,
+            epilogue: Callable | None, column_sums: str | None, scaled: bool,
             line_maxima: bool):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
@@ -445,7 +408,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if reduces_columns:   # reduction_turn[w]: warpgroup w may reduce across its warps
     extra_smem.update(reduction_turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
-  prep_steps = _prep_steps(config, plan) if epilogue_prep is not None else ()
   # The pipeline shrinks its ring to the step count; a released stage must stay behind it.
   delay = config.mma_in_flight if min(config.stages, plan.k_steps) > config.mma_in_flight else 0
   a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
@@ -498,12 +460,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
                        * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
       if epilogue is not None:
-        if not prep_steps:
-          plgpu.barrier_wait(operand_arrived.at[wg])
-        operand = operand_smem[wg].astype(jnp.float32)
-        if epilogue_prep is not None and not prep_steps:
-          operand = epilogue_prep(operand)
-        value = epilogue(acc, operand)
+        plgpu.barrier_wait(operand_arrived.at[wg])
+        value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       if partial_index is None:
         out, smem = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem
       else:   # the partial block's own coordinates
@@ -540,21 +498,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           smem[wg, slot] = acc[rows, cols]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
-
-    def prepare_operand(step):
-      """At the steps of `prep_steps`, warpgroup `wg` replaces one 64x32 piece of its
-      epilogue operand tile by `epilogue_prep` of it (the first waits for the tile)."""
-      for i, at_step in enumerate(prep_steps):
-        @pl.when(step == at_step)
-        def _prepare(i=i):
-          if i == 0:
-            plgpu.barrier_wait(operand_arrived.at[wg])
-          r, c = divmod(i, tile_n // PREP_PIECE[1])
-          piece = operand_smem.at[wg, pl.ds(r * PREP_PIECE[0], PREP_PIECE[0]),
-                                  pl.ds(c * PREP_PIECE[1], PREP_PIECE[1])]
-          piece[...] = epilogue_prep(piece[...])
-          if i == len(prep_steps) - 1:
-            plgpu.commit_smem()   # the whole warpgroup's epilogue reads it
 
     whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
 
@@ -597,15 +540,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(indices, a_smem, b_smem, acc_ref):
-        (step,) = indices
+      def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
-        if prep_steps:   # while this step's MMAs run
-          prepare_operand(step)
         plgpu.wgmma_wait(delay)
         return acc_ref
 
