@@ -12,6 +12,7 @@ changes how the work is scheduled, never the arithmetic). Writes
   python -m benchmarks.backward_configs --table tf32_on_f16 --product pre_gelu \\
       --variants '{}' '{"stages": 3, "epilogue_buffers": 2}' '{"mma_in_flight": 0}'
 
+`{"xla_dot": true}` runs the product as XLA's dot instead (rows and weight_grads).
 `--product staging` varies the staging launches instead (`backends/staging.py`): each
 variant's `block` and `parts` replace every `Cast` job's, `num_warps` and `num_stages`
 the launches' (the table's products unchanged):
@@ -34,7 +35,7 @@ from benchmarks import cases, timing
 from benchmarks.run import todays_runs_dir, write_result_json
 from vision_mlp_bwd import precision as precisions
 from vision_mlp_bwd.backends import staging
-from vision_mlp_bwd.backends.mosaic import backward_sm90
+from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
 from vision_mlp_bwd.problem import Problem
 
 INPUTS = {"tf32_on_f16": (jnp.float32, None),
@@ -77,8 +78,7 @@ def main(argv=None):
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
       else:
-        varied = tuple((bound, dataclasses.replace(config, **fields))
-                       for bound, config in table_rows)
+        varied = tuple((bound, _varied(config, fields)) for bound, config in table_rows)
         replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
         launch = staging.launch
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
@@ -100,6 +100,16 @@ def main(argv=None):
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
                     rows=rows)
+
+
+def _varied(config, fields):
+  """`fields` over a table row's config; {"xla_dot": true} is XLA's dot instead, and fields
+  over an XLA_DOT row start from GemmConfig's defaults."""
+  if fields.get("xla_dot"):
+    return backward_sm90.XLA_DOT
+  if config is backward_sm90.XLA_DOT:
+    config = engine.GemmConfig()
+  return dataclasses.replace(config, **fields)
 
 
 def _staging_launch(fields):

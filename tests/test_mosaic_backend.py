@@ -43,7 +43,7 @@ LOWERING_CASES = [*((2500, *m) for m in MODES),
 @needs_lowering
 @pytest.mark.parametrize("tokens, dtype, mode", LOWERING_CASES,
                          ids=lambda v: getattr(v, "name", str(v)))
-def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode):
+def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode):
   shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
   args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
   problem = _problem(tokens, dtype, mode)
@@ -52,8 +52,10 @@ def test_the_whole_backward_lowers_with_four_engine_products(tokens, dtype, mode
   assert [(o.shape, o.dtype) for o in lowered.out_info] == [
       ((tokens, H), dtype), ((I, H), dtype), ((I,), dtype), ((H, I), dtype), ((H,), dtype)]
   text = lowered.as_text()
-  assert text.count("mosaic_gpu") >= 4, "expected the engine's four products"
-  assert "dot_general" not in text, "a product ran in XLA"
+  _, rows, weights = mosaic_backward.TABLES.configs(problem)
+  on_xla = (rows is mosaic_backward.XLA_DOT) + 2 * (weights is mosaic_backward.XLA_DOT)
+  assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
+  assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
 
 
 @pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))
@@ -137,22 +139,25 @@ def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
     assert lo in measured and hi in measured
 
 
+XLA = "xla"
+
+
 @pytest.mark.parametrize("tokens, dtype, mode, rows_block, weight_block", [
-    (64, jnp.float32, DotMode.F16, (128, 64), (128, 128)),
-    (768, jnp.float32, DotMode.F16, (128, 64), (128, 128)),
-    (769, jnp.float32, DotMode.F16, (128, 128), (128, 128)),
     (768, jnp.float32, DotMode.TF32, (128, 128), (128, 128)),
-    (64, jnp.bfloat16, DotMode.BF16, (128, 128), (128, 128)),
+    (769, jnp.float32, DotMode.TF32, (128, 128), (128, 128)),
     *((tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16, block, block)
       for dtype in (jnp.float32, jnp.bfloat16)
-      for tokens, block in ((4096, (128, 128)), (4097, (128, 256)), (16384, (128, 256))))])
+      for tokens, block in ((64, XLA), (4096, XLA), (4097, (128, 256)), (16384, (128, 256))))])
 def test_configs_by_s_from_the_file(tokens, dtype, mode, rows_block, weight_block):
+  """The tables' rows by S ("xla": XLA's dot), and the fused product always on the engine."""
   pre, rows, weights = mosaic_backward.TABLES.configs(_problem(tokens, dtype, mode))
-  assert (rows.block, weights.block) == (rows_block, weight_block)
+  block = lambda c: XLA if c is mosaic_backward.XLA_DOT else c.block
+  assert (block(rows), block(weights)) == (rows_block, weight_block)
+  assert isinstance(pre, mosaic_backward.engine.GemmConfig)
   if jnp.dtype(dtype).itemsize == 2:
     # 16-bit outputs store 64-column (128-byte) epilogue pieces.
-    width = min(pre.epilogue_tile[1], rows.epilogue_tile[1],
-                weights.epilogue_tile[1]) * jnp.dtype(dtype).itemsize
+    width = min(c.epilogue_tile[1] for c in (pre, rows, weights)
+                if c is not mosaic_backward.XLA_DOT) * jnp.dtype(dtype).itemsize
     assert width >= 128
 
 
@@ -193,6 +198,36 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
   if partial_reductions:
     extra = tuple(x[None] for x in extra)
   return (out, *extra) if extra else out
+
+
+@pytest.mark.transcendental
+@pytest.mark.parametrize("dtype, precision", [
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32), (jnp.bfloat16, None)],
+    ids=["fp32-f16", "bf16"])
+def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision):
+  """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
+  staged operands (the fused product a jnp stand-in for the engine): every output within
+  its bound at an S not a multiple of 8 (staged rows padded, the input gradient S rows)."""
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  xla = {name: ((None, mosaic_backward.XLA_DOT),)
+         for name in ("fp32_inputs", "sixteen_bit_inputs")}
+  tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla)
+  tokens = 61
+  inputs = helpers.backward_inputs(tokens, 128, 256, dtype=dtype)
+  problem = _problem(tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16,
+                     128, 256)
+  fn = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables,
+                                                   interpret=True))
+  outs = fn(*inputs)
+  assert [o.shape for o in outs] == [x.shape for x in inputs[1:6]]
+  bounds.check_backward(outs, inputs, precision, f"xla dots {dtype.__name__}")
+
+
+def test_tf32_refuses_xla_dots():
+  xla = {"fp32_inputs": ((None, mosaic_backward.XLA_DOT),)}
+  tables = dataclasses.replace(mosaic_backward.TABLES, weight_grads=xla)
+  with pytest.raises(ValueError, match="TF32's unscaled products"):
+    tables.configs(_problem(4096, mode=DotMode.TF32))
 
 
 @pytest.mark.transcendental

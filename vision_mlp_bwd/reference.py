@@ -122,6 +122,11 @@ def input_grad(grad_fc1_output, fc1_weight, mode: DotMode, out_dtype=jnp.float32
   return xla_dot_general(grad_fc1_output, fc1_weight, _ROWS_TIMES_WEIGHT, mode, out_dtype)
 
 
+def weight_grad(rows_a, rows_b, mode: DotMode, out_dtype=jnp.float32):
+  """`rows_a.T @ rows_b`, the contraction over the S rows of a weight gradient."""
+  return xla_dot_general(rows_a, rows_b, _COLUMNS_OUTER, mode, out_dtype)
+
+
 def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                  fc1_output, gelu_output, *, precision=None):
   """The five gradients of the SOL-ExecBench contract, in its order.
@@ -135,10 +140,10 @@ def mlp_backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc
   mode: DotMode = for_inputs(canonicalize(precision), hidden_state.dtype)
   dtype = jnp.dtype(hidden_state.dtype)   # every input's, and every gradient's
   grad_fc2_bias = jnp.sum(grad_output.astype(jnp.float32), axis=0)
-  grad_fc2_weight = xla_dot_general(grad_output, gelu_output, _COLUMNS_OUTER, mode, dtype)
+  grad_fc2_weight = weight_grad(grad_output, gelu_output, mode, dtype)
   grad_fc1_output, grad_fc1_bias = pre_gelu_operand_and_bias_grad(
       pre_activation_grad(grad_output, fc2_weight, fc1_output, mode), mode, dtype)
-  grad_fc1_weight = xla_dot_general(grad_fc1_output, hidden_state, _COLUMNS_OUTER, mode, dtype)
+  grad_fc1_weight = weight_grad(grad_fc1_output, hidden_state, mode, dtype)
   grad_hidden_state = input_grad(grad_fc1_output, fc1_weight, mode, dtype)
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype), grad_fc2_weight,
           grad_fc2_bias.astype(dtype))

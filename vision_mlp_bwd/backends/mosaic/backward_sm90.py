@@ -1,4 +1,4 @@
-"""The backward on the GEMM engine: four engine products, the GELU derivative between them.
+"""The backward on the GEMM engine: four products, the GELU derivative between them.
 
 On 16-bit products (F16 or BF16 on fp32 inputs, any precision on bf16 and
 f16 inputs, as `precision.for_inputs` says; TF32 below): one staging launch
@@ -13,7 +13,9 @@ bias gradient: of the fp32 values on fp32 inputs, of the stored values on
 16-bit inputs, as `reference.pre_gelu_operand_and_bias_grad` does. On
 16-bit inputs the epilogue first rounds `grad_output @ fc2_weight` to the
 input dtype, as `jnp.matmul` returns it. Numerically it is the XLA backward
-with another fp32 accumulation order.
+with another fp32 accumulation order. The three plain products run on the
+engine or, where the tables say so (`XLA_DOT`: cuBLAS measured faster on the
+H200), as XLA's dot of the same staged operands.
 
 TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 `precision.py`'s power-of-two scaling: each operand is scaled along the
@@ -63,21 +65,33 @@ SCALED_COPY_PARTS = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class Tables:
-  """The engine configuration of each product by S: (largest S or None, GemmConfig) rows.
+class XlaDot:
+  """A plain product (the input or a weight gradient) as XLA's dot of the staged 16-bit
+  operands, where that measured faster than the engine (on the H200 XLA runs it on
+  cuBLAS); the config file writes it "xla". The same products, fp32 accumulation."""
 
-  `pre_gelu`: grad_output @ fc2_weight with the fused epilogue; `rows`: the
-  input gradient (M = S); `weight_grads`: the two products over S."""
+
+XLA_DOT = XlaDot()
+Product = engine.GemmConfig | XlaDot
+
+
+@dataclasses.dataclass(frozen=True)
+class Tables:
+  """How each product runs, by S: (largest S or None, GemmConfig or XLA_DOT) rows.
+
+  `pre_gelu`: grad_output @ fc2_weight with the fused epilogue (always the
+  engine); `rows`: the input gradient (M = S); `weight_grads`: the two products
+  over S."""
 
   pre_gelu: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
-  rows: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
-  weight_grads: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
+  rows: dict[str, tuple[tuple[int | None, Product], ...]]
+  weight_grads: dict[str, tuple[tuple[int | None, Product], ...]]
   routing: dict
 
   @classmethod
   def load(cls, path=CONFIG_FILE) -> "Tables":
     document = json.loads(pathlib.Path(path).read_text())
-    parse = lambda rows: tuple((bound, engine.GemmConfig(**{
+    parse = lambda rows: tuple((bound, XLA_DOT if fields == "xla" else engine.GemmConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
         for bound, fields in rows)
     tables = document["tables"]
@@ -96,14 +110,19 @@ class Tables:
     return next(c for bound, c in cls.rows_for(table, inputs)
                 if bound is None or tokens <= bound)
 
-  def configs(self, problem: Problem) -> tuple[engine.GemmConfig, ...]:
+  def configs(self, problem: Problem) -> tuple[Product, ...]:
     """The (pre-GELU, input gradient, weight gradients) products' configs for this problem."""
     if problem.dtype.itemsize == 2:
       inputs = "sixteen_bit_inputs"
     else:
       inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
-    return tuple(self.config_for(table, inputs, problem.tokens)
-                 for table in (self.pre_gelu, self.rows, self.weight_grads))
+    configs = tuple(self.config_for(table, inputs, problem.tokens)
+                    for table in (self.pre_gelu, self.rows, self.weight_grads))
+    if XLA_DOT in configs and (problem.mode == DotMode.TF32 or configs[0] is XLA_DOT):
+      raise ValueError(f"the {inputs} tables give XLA's dot at S={problem.tokens} where only "
+                       f"the engine runs: the fused pre-GELU product, and TF32's unscaled "
+                       f"products")
+    return configs
 
 
 TABLES = Tables.load()
@@ -126,8 +145,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
       interpret)
-  grad_fc2_weight = engine.matmul(grad_out16, gelu16, transpose_a=True, out_dtype=dtype,
-                                  config=weight_config, defer_tail=True)
+  grad_fc2_weight = _weight_grad(grad_out16, gelu16, weight_config, problem)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
@@ -136,16 +154,27 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
       partial_reductions=True)
-  grad_fc1_weight = engine.matmul(grad_pre16, hidden16, transpose_a=True, out_dtype=dtype,
-                                  config=weight_config, defer_tail=True)
-  grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
-                                    defer_tail=True, out_rows=tokens)
+  grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
+  if rows_config is XLA_DOT:
+    grad_hidden_state = reference.input_grad(grad_pre16[:tokens], w1, mode, dtype)
+  else:
+    grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
+                                      defer_tail=True, out_rows=tokens)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
    grad_fc2_bias) = engine.write_tails(
       grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret,
       also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
+
+
+def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
+  """`rows_a.T @ rows_b` in the input dtype: the engine's (its split tail deferred to
+  `engine.write_tails`) or XLA's dot."""
+  if config is XLA_DOT:
+    return reference.weight_grad(rows_a, rows_b, problem.mode, problem.dtype)
+  return engine.matmul(rows_a, rows_b, transpose_a=True, out_dtype=problem.dtype,
+                       config=config, defer_tail=True)
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
