@@ -103,10 +103,12 @@ def main(argv=None):
 
 
 def _varied(config, fields):
-  """`fields` over a table row's config; {"xla_dot": true} is XLA's dot instead, and fields
-  over an XLA_DOT row start from GemmConfig's defaults."""
+  """`fields` over a table row's config; {"xla_dot": true} is XLA's dot instead, `{}` the
+  row as it is, and other fields over an XLA_DOT row start from GemmConfig's defaults."""
   if fields.get("xla_dot"):
     return backward_sm90.XLA_DOT
+  if not fields:
+    return config
   if config is backward_sm90.XLA_DOT:
     config = engine.GemmConfig()
   return dataclasses.replace(config, **fields)
