@@ -105,7 +105,7 @@ class Tables:
     return table.get(inputs) or table["fp32_inputs"]
 
   @classmethod
-  def config_for(cls, table, inputs: str, tokens: int) -> engine.GemmConfig:
+  def config_for(cls, table, inputs: str, tokens: int) -> Product:
     """A product's config for these inputs at S = `tokens`: its first row bounding S."""
     return next(c for bound, c in cls.rows_for(table, inputs)
                 if bound is None or tokens <= bound)
@@ -135,7 +135,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   `interpret` runs the staging launches in Pallas interpret mode (the CPU tests', which
   stand jnp in for the engine)."""
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
-  mode, dtype, tokens = problem.mode, problem.dtype, problem.tokens
+  mode, dtype = problem.mode, problem.dtype
   operand = mode.operand_dtype
   configs = tables.configs(problem)
   if mode == DotMode.TF32:
@@ -155,11 +155,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
       partial_reductions=True)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
-  if rows_config is XLA_DOT:
-    grad_hidden_state = reference.input_grad(grad_pre16[:tokens], w1, mode, dtype)
-  else:
-    grad_hidden_state = engine.matmul(grad_pre16, w1, out_dtype=dtype, config=rows_config,
-                                      defer_tail=True, out_rows=tokens)
+  grad_hidden_state = _input_grad(grad_pre16, w1, rows_config, problem)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
    grad_fc2_bias) = engine.write_tails(
       grad_hidden_state, grad_fc1_weight, grad_fc2_weight, interpret=interpret,
@@ -175,6 +171,16 @@ def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
     return reference.weight_grad(rows_a, rows_b, problem.mode, problem.dtype)
   return engine.matmul(rows_a, rows_b, transpose_a=True, out_dtype=problem.dtype,
                        config=config, defer_tail=True)
+
+
+def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
+  """`grad_pre @ fc1_weight` with S rows (of grad_pre's padded ones) in the input dtype: the
+  engine's (its split tail deferred to `engine.write_tails`) or XLA's dot."""
+  if config is XLA_DOT:
+    return reference.input_grad(grad_pre[:problem.tokens], fc1_weight, problem.mode,
+                                problem.dtype)
+  return engine.matmul(grad_pre, fc1_weight, out_dtype=problem.dtype, config=config,
+                       defer_tail=True, out_rows=problem.tokens)
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
