@@ -238,14 +238,16 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   gelu_maxima, x_maxima, w1_maxima, w2_maxima = (columns for columns, _ in maxima)
   scaled = functools.partial(Cast, out_dtype=f16, parts=SCALED_COPY_PARTS)
   by_columns = lambda x, rows=0: scaled(x.shape, rows=rows, scales=("columns",))
-  ((dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), (gelu16, gelu_unscale),
-   (x16, x_unscale), (w1, w1_unscale), (w2, w2_unscale), grad_fc2_bias) = launch([
+  # In the reverse of the maxima launch's order: what it read last is still in L2, and
+  # grad_output's and gelu_output's copies, which the first product reads, are written last.
+  ((w2, w2_unscale), (w1, w1_unscale), (x16, x_unscale), (gelu16, gelu_unscale),
+   (dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), grad_fc2_bias) = launch([
+      (by_columns(fc2_weight), (fc2_weight, w2_maxima)),
+      (by_columns(fc1_weight), (fc1_weight, w1_maxima)),
+      (by_columns(hidden_state, padded), (hidden_state, x_maxima)),
+      (by_columns(gelu_output, padded), (gelu_output, gelu_maxima)),
       (scaled(grad_output.shape, rows=padded, scales=("columns", "rows")),
        (grad_output, *dy_maxima)),
-      (by_columns(gelu_output, padded), (gelu_output, gelu_maxima)),
-      (by_columns(hidden_state, padded), (hidden_state, x_maxima)),
-      (by_columns(fc1_weight), (fc1_weight, w1_maxima)),
-      (by_columns(fc2_weight), (fc2_weight, w2_maxima)),
       (staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_staging")
   grad_fc2_weight = product(dy_by_column, dy_column_unscale, gelu16, gelu_unscale,
                             weight_config, transpose_a=True)
