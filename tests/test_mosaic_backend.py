@@ -146,7 +146,7 @@ XLA = "xla"
     (768, jnp.float32, DotMode.TF32, (128, 128), (128, 128)),
     (769, jnp.float32, DotMode.TF32, (128, 128), (128, 128)),
     *((tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16,
-       XLA if dtype == jnp.float32 else block, block)
+       XLA, block)
       for dtype in (jnp.float32, jnp.bfloat16)
       for tokens, block in ((64, XLA), (4096, XLA), (4097, (128, 256)), (16384, (128, 256))))])
 def test_configs_by_s_from_the_file(tokens, dtype, mode, rows_block, weight_block):
