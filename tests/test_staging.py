@@ -108,3 +108,18 @@ def test_cast_line_maxima_and_scaled_f16_copies(shape):
   chex.assert_trees_all_equal(column_unscale, 1 / column_scale)
   chex.assert_trees_all_equal(row_unscale, jnp.pad(1 / row_scale, (0, 3)))
   chex.assert_trees_all_equal(fc_sums, sum_in_order(sum_parts))   # SumRows: bitwise that order
+
+
+@pytest.mark.parametrize("parts", [1, 2, 8, 9, 17, 64])
+def test_sum_rows_adds_first_to_last(parts):
+  """`SumRows` (rows loaded a group at a time) is bitwise `sum_in_order`, at row counts
+  below, at and past whole groups; values over 2^-30..2^30, so another order of the
+  additions would round differently, and NaN and Inf propagate as in the sum."""
+  key = jax.random.key(parts)
+  shape = (parts, 300)   # a ragged last block of columns
+  x = jax.random.normal(key, shape) * jnp.exp2(jax.random.randint(
+      jax.random.fold_in(key, 1), shape, -30, 30).astype(jnp.float32))
+  x = x.at[parts // 2, 7].set(jnp.inf).at[parts - 1, 11].set(jnp.nan)
+  (sums,) = staging.grouped_launch([staging.SumRows(shape, block=128)], [(x,)], mode=None,
+                                   interpret=True)
+  chex.assert_trees_all_equal(sums, sum_in_order(x))
