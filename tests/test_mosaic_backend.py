@@ -56,6 +56,7 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
   on_xla = (rows is mosaic_backward.XLA_DOT) + 2 * (weights is mosaic_backward.XLA_DOT)
   assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
   assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
+  assert "stablehlo.slice" not in text, "an operand cut back to S rows by a copy"
 
 
 @pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))
@@ -208,8 +209,14 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
 def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision):
   """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
   staged operands (the fused product a jnp stand-in for the engine): every output within
-  its bound at an S not a multiple of 8 (staged rows padded, the input gradient S rows)."""
+  its bound at an S not a multiple of 8, and only what the engine reads padded."""
   monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  staged, launch = [], mosaic_backward.staging.launch
+
+  def recording_launch(pairs, **kwargs):
+    staged.extend((job.shape, job.out_rows) for job, _ in pairs if getattr(job, "copies", 0))
+    return launch(pairs, **kwargs)
+  monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   xla = {name: ((None, mosaic_backward.XLA_DOT),)
          for name in ("fp32_inputs", "sixteen_bit_inputs")}
   tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla)
@@ -222,6 +229,13 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision)
   outs = fn(*inputs)
   assert [o.shape for o in outs] == [x.shape for x in inputs[1:6]]
   bounds.check_backward(outs, inputs, precision, f"xla dots {dtype.__name__}")
+  # Copies: grad_output padded to 64 rows for the engine; on fp32 inputs the casts of the
+  # others, hidden_state with its 61 rows (only XLA reads it), gelu_output padded as
+  # grad_output's copy beside it; 16-bit inputs nothing more.
+  copies = [((tokens, 128), 64)]
+  if dtype == jnp.float32:
+    copies += [((tokens, 128), tokens), ((tokens, 256), 64), ((256, 128), 256), ((128, 256), 128)]
+  assert staged == copies
 
 
 def test_tf32_refuses_xla_dots():
