@@ -239,11 +239,12 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
   # gradient), as partial rows; one for the scaled f16 copies the products read, which
   # reduces the maxima to the scales and the reciprocals the engine unscales by.
+  # grad_output is scaled by columns and by rows, the others by columns only.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
-  (fc2_bias_parts, *dy_maxima), *maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False), (x,))
+  (fc2_bias_parts, *dy_maxima), gelu_maxima, x_maxima, w1_maxima, w2_maxima = launch(
+      [(Cast(x.shape, None, sums=x is grad_output, finished=False,
+             maxima=("columns", "rows") if x is grad_output else ("columns",)), (x,))
        for x in inputs], "mlp_backward_maxima")
-  gelu_maxima, x_maxima, w1_maxima, w2_maxima = (columns for columns, _ in maxima)
   scaled = functools.partial(Cast, out_dtype=f16, parts=SCALED_COPY_PARTS)
   by_columns = lambda x, rows=0: scaled(x.shape, rows=rows, scales=("columns",))
   # In the reverse of the maxima launch's order: what it read last is still in L2, and
