@@ -22,9 +22,10 @@ TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
-the accumulator by the reciprocal scales. One staging launch finds every
-input's line maxima (and grad_output's column sums), a second reduces them
-to the scales, writes the scaled f16 copies and the reciprocal scales. The
+the accumulator by the reciprocal scales. One staging launch finds the
+maxima of the lines each input is scaled along (and grad_output's column
+sums), a second reduces them to the scales and writes the scaled f16 copies
+and the reciprocal scales. The
 pre-GELU product's epilogue then runs on unscaled values, as on 16-bit
 products; its output stays fp32. It also returns the bias gradient (the
 sums of its fp32 columns) and the largest |value| of each row and column,
@@ -37,9 +38,9 @@ The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands it reads are padded with zero rows by the staging launch
 (which add nothing to any sum: gelu'(0) times a zero row is zero) and the
 input gradient is written with S rows (TMA drops the rest); on 16-bit
-inputs, grad_fc2_weight as XLA's dot reads the inputs as given. The split last waves
-of the three products after the first are summed and written in one launch
-at the end (`engine.write_tails`).
+inputs, grad_fc2_weight as XLA's dot reads the inputs as given. The split
+last waves of the three products after the first are summed and written in
+one launch at the end (`engine.write_tails`).
 """
 
 from __future__ import annotations
@@ -237,9 +238,9 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
                          defer_tail="epilogue" not in options, **options)
 
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
-  # gradient), as partial rows; one for the scaled f16 copies the products read, which
+  # gradient), as partial rows: grad_output's columns and rows, the others' columns (the
+  # lines they are scaled along); one for the scaled f16 copies the products read, which
   # reduces the maxima to the scales and the reciprocals the engine unscales by.
-  # grad_output is scaled by columns and by rows, the others by columns only.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
   (fc2_bias_parts, *dy_maxima), gelu_maxima, x_maxima, w1_maxima, w2_maxima = launch(
       [(Cast(x.shape, None, sums=x is grad_output, finished=False,
