@@ -94,28 +94,50 @@ def test_engine_in_interpret_mode_within_its_bound(case):
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
 
 
+EPILOGUE_REDUCTIONS = {   # M, K, programs, config, column_sums, operand dtype
+    "unrounded": (256, 128, 3, C(tile_n=64, stages=2, epilogue_tile=(64, 64)), "unrounded",
+                  jnp.bfloat16),
+    "stored": (256, 128, 3, C(tile_n=64, stages=2, epilogue_tile=(64, 64)), "stored",
+               jnp.bfloat16),
+    # 3 x 2 blocks on 4 programs: the last 2 blocks in 2 K-parts each, finished by
+    # staging.TailEpilogue; the fp32 operand's tile carries the partials.
+    "unrounded, last wave split, fp32 operand": (
+        384, 256, 4, C(tile_n=64, stages=2, epilogue_tile=(64, 64), tail_splits=2),
+        "unrounded", jnp.float32),
+    "stored, last wave split, bf16 operand": (
+        384, 256, 4, C(tile_n=64, stages=2, epilogue_tile=(64, 64), tail_splits=2),
+        "stored", jnp.bfloat16),
+}
+
+
 @pytest.mark.transcendental
-@pytest.mark.parametrize("column_sums", ["unrounded", "stored"])
-def test_epilogue_column_sums_in_interpret_mode_within_their_bound(column_sums):
+@pytest.mark.parametrize("case", EPILOGUE_REDUCTIONS)
+def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   """The fused epilogue's column sums, the two compute warpgroups taking turns: over 2 x 2
-  blocks on 3 programs (so one program runs two blocks and one none). "unrounded" sums the
-  fp32 values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
-  the bf16 values stored, within fp32 summation of M terms of the stored output itself.
-  With "unrounded", also the line maxima: the largest |fp32 value| of each column and row
-  is within the largest element bound of that line of the float64 maximum (a maximum moves
-  by at most its elements' largest error)."""
-  m, k, n = 256, 128, 256
-  keys = jax.random.split(jax.random.key(7 + len(column_sums)), 3)
+  blocks on 3 programs (so one program runs two blocks and one none), or with the last
+  wave split along K. "unrounded" sums the fp32 values: each within its float64 bound, plus
+  fp32 summation of M terms; "stored" sums the bf16 values stored, within fp32 summation of
+  M terms of the stored output itself. With "unrounded", also the line maxima: the largest
+  |fp32 value| of each column and row is within the largest element bound of that line of
+  the float64 maximum (a maximum moves by at most its elements' largest error)."""
+  m, k, programs, config, column_sums, operand_dtype = EPILOGUE_REDUCTIONS[case]
+  n = 256
+  plan = engine.schedule(m, n, k, config, programs)
+  assert (plan.splits > 1) == ("split" in case), plan
+  keys = jax.random.split(jax.random.key(7 + len(case)), 3)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
-  x = jax.random.normal(keys[2], (m, n), jnp.bfloat16) * 3
+  x = jax.random.normal(keys[2], (m, n), operand_dtype) * 3
   maxima = column_sums == "unrounded"
   out, sums, *line_max = engine.matmul(
-      a, b, config=C(tile_n=64, stages=2, epilogue_tile=(64, 64)), num_programs=3,
+      a, b, config=config, num_programs=programs,
       out_dtype=jnp.bfloat16, epilogue=reference.gelu_backward, epilogue_operand=x,
       column_sums=column_sums, line_maxima=maxima,
       interpret=interpret_params.InterpretGPUParams())
   assert sums.shape == (n,) and sums.dtype == jnp.float32
+  exact, bound = _exact_and_bound(a, b, x, jnp.bfloat16)
+  error = np.abs(np.asarray(out, np.float64) - exact)   # every element written (NaN fails)
+  assert np.all(error <= bound), float(np.nanmax(error / bound))
   gamma_m = m * U32 / (1 - m * U32)
   if column_sums == "stored":
     stored = np.asarray(out, np.float64)

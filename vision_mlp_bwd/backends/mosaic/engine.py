@@ -31,8 +31,11 @@ writes the output's last r blocks in place.
 
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
-(the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). Such a
-product is not split along K (`fn` needs the whole sum). It can also return
+(the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). `fn` needs
+the whole sum, so the K-parts of a split last wave store only their fp32
+partials (through the operand's buffer when `X` is fp32), and one more launch
+(a `staging.TailEpilogue` job) adds them, applies `fn` and the reductions
+below, and writes those blocks. It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
 of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
@@ -140,7 +143,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   buffers.append(2 * slots * epi_m * epi_n * out_bytes)
-  if split_tail and out_bytes != 4:   # the fp32 partials' own buffer, one per warpgroup
+  if split_tail and _partials_buffer(out_dtype, epilogue_dtype) == "own":   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
@@ -217,6 +220,17 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
+def _partials_buffer(out_dtype, epilogue_dtype) -> str:
+  """Where a K-part's fp32 partial tile goes through shared memory: the output's epilogue
+  buffers when they are fp32, else the fused epilogue's operand tile when that is fp32
+  (K-parts have no epilogue), else a buffer of its own."""
+  if jnp.dtype(out_dtype) == jnp.float32:
+    return "out"
+  if epilogue_dtype is not None and jnp.dtype(epilogue_dtype) == jnp.float32:
+    return "operand"
+  return "own"
+
+
 def num_sms() -> int:
   device = jax.devices()[0]
   return int(getattr(device, "core_count", 0) or 132)
@@ -243,7 +257,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows` rows
+  in one launch); a fused product's split blocks are finished here, by one more launch. With `out_rows` (<= M), the output keeps only its first `out_rows` rows
   (TMA drops the stores past them: an S-row input gradient from a product over operands
   padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
@@ -282,7 +296,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
         epilogue_operand.shape[0] > m):
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
-    config = dataclasses.replace(config, tail_splits=1)   # fn needs whole sums
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
@@ -315,6 +328,15 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
+  if epilogue is not None and plan.splits > 1:   # the K-parts added, then the epilogue
+    *outs, partials = outs
+    job = staging.TailEpilogue(
+        outs[0].shape, outs[0].dtype, config.block, (config.tile_m, config.tile_n),
+        plan.grid_mn[1], plan.whole, plan.tail, plan.splits, epilogue, m, column_sums,
+        line_maxima)
+    (outs,) = staging.launch(
+        [(job, (outs[0], partials.reshape(-1, block_n), epilogue_operand, *outs[1:]))],
+        mode=None, interpret=interpret is not None, name="engine_fused_tails")
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -322,7 +344,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
     maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
     return (outs[0], *sums, *maxima)
-  if plan.splits == 1:
+  if plan.splits == 1 or epilogue is not None:
     return outs[0]
   split = SplitProduct(outs[0], outs[1].reshape(-1, config.block[1]),
                        _tail_job(outs[0], plan, config.block))
@@ -380,7 +402,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   slots = min(config.epilogue_buffers, pieces)
 
   partial_dtype = jnp.float32
-  separate_partial_smem = bool(partial_gmem) and out_dtype != partial_dtype
+  partials_buffer = _partials_buffer(out_dtype, None if epilogue is None else operand_gmem.dtype)
+  separate_partial_smem = bool(partial_gmem) and partials_buffer == "own"
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
   # of a 16-bit product get one buffer each, at least 32 columns wide (a
   # 128-byte swizzle), so the two epilogues fit beside the operand ring.
@@ -434,11 +457,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
              scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
 
-    def start_tile(row0, col0):
+    def start_tile(row0, col0, whole=True):
       """Starts the TMA copies of what warpgroup `wg`'s epilogue reads for its tile at
-      (row0, col0): they arrive while the MMAs run."""
+      (row0, col0): they arrive while the MMAs run. A K-part (not `whole`) reads no
+      epilogue operand."""
       rows, cols = pl.ds(row0, tile_m), pl.ds(col0, tile_n)
-      if epilogue is not None:
+      if epilogue is not None and whole:
         plgpu.copy_gmem_to_smem(operand_gmem.at[rows, cols], operand_smem.at[wg],
                                 operand_arrived.at[wg])
       if scaled:
@@ -459,7 +483,16 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
         acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
                        * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
-      if epilogue is not None:
+      if partial_index is not None and partials_buffer == "operand":
+        # The whole tile at once through the operand's buffer, free in a K-part; stored
+        # before the buffer's next load.
+        operand_smem[wg] = value
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(operand_smem.at[wg], partial_gmem[0].at[
+            partial_index, pl.ds(partial_origin[0], tile_m), pl.ds(partial_origin[1], tile_n)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return
+      if epilogue is not None and partial_index is None:
         plgpu.barrier_wait(operand_arrived.at[wg])
         value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       if partial_index is None:
@@ -470,7 +503,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         smem = partial_smem if separate_partial_smem else out_smem
       acc = value.astype(smem.dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
-      if reduces_columns:
+      if reduces_columns and partial_index is None:
         plgpu.barrier_wait(reduction_turn.at[wg])
         if sums_gmem is not None:
           sums_smem[wg] = jnp.sum(
@@ -535,7 +568,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
-          start_tile(row0, col0)
+          start_tile(row0, col0, whole=partial_index is None)
           run_pipeline(acc_ref)
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
