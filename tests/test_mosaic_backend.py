@@ -208,8 +208,14 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
 def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision):
   """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
   staged operands (the fused product a jnp stand-in for the engine): every output within
-  its bound at an S not a multiple of 8 (staged rows padded, the input gradient S rows)."""
+  its bound at an S not a multiple of 8, and no copy only to pad what only XLA reads."""
   monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  staged, launch = [], mosaic_backward.staging.launch
+
+  def recording_launch(pairs, **kwargs):
+    staged.extend((job.shape, job.out_rows) for job, _ in pairs if getattr(job, "copies", 0))
+    return launch(pairs, **kwargs)
+  monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   xla = {name: ((None, mosaic_backward.XLA_DOT),)
          for name in ("fp32_inputs", "sixteen_bit_inputs")}
   tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla)
@@ -222,6 +228,14 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision)
   outs = fn(*inputs)
   assert [o.shape for o in outs] == [x.shape for x in inputs[1:6]]
   bounds.check_backward(outs, inputs, precision, f"xla dots {dtype.__name__}")
+  # Copies: grad_output and hidden_state padded to 64 rows (the engine's operand, and the
+  # operand beside its padded output); on fp32 inputs the casts of the others, gelu_output
+  # padded as grad_output's copy beside it; on 16-bit inputs no copy of gelu_output, which
+  # only XLA's dot reads, beside grad_output as given.
+  copies = [((tokens, 128), 64), ((tokens, 128), 64)]
+  if dtype == jnp.float32:
+    copies += [((tokens, 256), 64), ((256, 128), 256), ((128, 256), 128)]
+  assert staged == copies
 
 
 def test_tf32_refuses_xla_dots():

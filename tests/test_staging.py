@@ -80,14 +80,16 @@ def test_cast_line_maxima_and_scaled_f16_copies(shape):
   x = jax.random.normal(key, shape) * jnp.exp2(jax.random.randint(
       jax.random.fold_in(key, 1), shape, -20, 20).astype(jnp.float32))
   x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)
-  job = staging.Cast(x.shape, None, sums=True, maxima=True, block=(8, 32))
-  [(sums, column_max, row_max), (sum_parts, *partial_maxima)] = staging.grouped_launch(
-      [job, dataclasses.replace(job, finished=False)], [(x,), (x,)], mode=DotMode.TF32,
-      interpret=True)
+  job = staging.Cast(x.shape, None, sums=True, maxima=("columns", "rows"), block=(8, 32))
+  columns_only = staging.Cast(x.shape, None, maxima=("columns",), block=(8, 32))
+  [(sums, column_max, row_max), (sum_parts, *partial_maxima), only_column_max] = (
+      staging.grouped_launch([job, dataclasses.replace(job, finished=False), columns_only],
+                             [(x,), (x,), (x,)], mode=DotMode.TF32, interpret=True))
   v = np.asarray(x, np.float64)
   finite = np.where(np.isfinite(v), np.abs(v), 0.0)
   np.testing.assert_array_equal(np.asarray(column_max), finite.max(axis=0))
   np.testing.assert_array_equal(np.asarray(row_max), finite.max(axis=1))
+  np.testing.assert_array_equal(np.asarray(only_column_max), finite.max(axis=0))
   _assert_column_sums(sums, x)
   chex.assert_shape(sum_parts, (job.grid[0], shape[1]))
   np.testing.assert_array_equal(jnp.max(partial_maxima[0], axis=0), column_max)
@@ -112,9 +114,9 @@ def test_cast_line_maxima_and_scaled_f16_copies(shape):
 
 @pytest.mark.parametrize("parts", [1, 2, 8, 9, 17, 64])
 def test_sum_rows_adds_first_to_last(parts):
-  """`SumRows` is bitwise `sum_in_order`, at row counts from 1 to 64; values over
-  2^-30..2^30, so another order of the additions would round differently, and NaN and
-  Inf propagate as in the sum."""
+  """`SumRows` (rows loaded a group at a time) is bitwise `sum_in_order`, at row counts
+  below, at and past whole groups; values over 2^-30..2^30, so another order of the
+  additions would round differently, and NaN and Inf propagate as in the sum."""
   key = jax.random.key(parts)
   shape = (parts, 300)   # a ragged last block of columns
   x = jax.random.normal(key, shape) * jnp.exp2(jax.random.randint(

@@ -60,23 +60,25 @@ class Cast:
     `rows` (>= R) a copy has that many rows, zeros past x's (the padded
     operands of the Mosaic engine).
   - `sums`: the fp32 sums of x's columns (a bias gradient).
-  - `maxima`: the largest finite |x| of each column and each row (NaN and
-    Inf count as 0, `precision.finite_abs`), from which the scales come.
+  - `maxima`: the largest finite |x| of each column (`"columns"`) or each row
+    (`"rows"`), as asked (NaN and Inf count as 0, `precision.finite_abs`): what
+    the scales come from.
 
   A program covers `block[1]` columns and, when it reduces or scales, a band
   of `block[0]`-row tiles (at most `parts` bands: few partial sums to add,
   column scales found once per band), one tile otherwise. Its partial sums
   are added in band order (unless `finished=False`: then the sums
   `[bands, C]` and maxima `[bands, C]`, `[column blocks, R]` are returned as
-  partial rows, for a later launch to reduce). Returns the copies, the reciprocal scales, then the sums, column
-  maxima and row maxima, as asked: one array alone, or a tuple.
+  partial rows, for a later launch to reduce). Returns the copies, the reciprocal
+  scales, then the sums and the maxima in `maxima`'s order, as asked: one array alone,
+  or a tuple.
   """
 
   shape: tuple[int, int]
   out_dtype: jnp.dtype | None
   rows: int = 0
   sums: bool = False
-  maxima: bool = False
+  maxima: tuple[str, ...] = ()
   scales: tuple[str, ...] = ()
   finished: bool = True
   block: tuple[int, int] = (32, 256)
@@ -110,7 +112,7 @@ class Cast:
 
   @property
   def num_outputs(self) -> int:
-    return self.copies + len(self.scales) + self.sums + 2 * self.maxima
+    return self.copies + len(self.scales) + self.sums + len(self.maxima)
 
   @property
   def programs(self) -> int:
@@ -123,6 +125,8 @@ class Cast:
       assert kind in ("columns", "rows") and maxima.ndim == 2 and maxima.shape[1] == (
           c if kind == "columns" else r), (self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
+    assert len(set(self.maxima)) == len(self.maxima) and set(self.maxima) <= {
+        "columns", "rows"}, self
     assert self.num_outputs, self
 
   def out_shapes(self, like):
@@ -133,9 +137,8 @@ class Cast:
                for kind in self.scales]
     if self.sums:
       shapes.append(out_struct((bands, c), jnp.float32, like))
-    if self.maxima:
-      shapes += [out_struct((bands, c), jnp.float32, like),
-                 out_struct((col_blocks, r), jnp.float32, like)]
+    shapes += [out_struct((bands, c) if kind == "columns" else (col_blocks, r), jnp.float32,
+                          like) for kind in self.maxima]
     return shapes
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
@@ -146,7 +149,7 @@ class Cast:
     copy_refs, out_refs = out_refs[:self.copies], list(out_refs[self.copies:])
     unscale_refs, out_refs = out_refs[:len(self.scales)], out_refs[len(self.scales):]
     sums_ref = out_refs.pop(0) if self.sums else None
-    col_max_ref, row_max_ref = out_refs if self.maxima else (None, None)
+    max_refs = dict(zip(self.maxima, out_refs))
     col_scales = {}
     for i, kind in enumerate(self.scales):
       if kind == "columns":
@@ -180,8 +183,11 @@ class Cast:
         total = total + jnp.sum(x.astype(jnp.float32), axis=0)
       if self.maxima:
         magnitude = finite_abs(x)
+      if "columns" in max_refs:
         largest = jnp.maximum(largest, jnp.max(magnitude, axis=0))
-        plgpu.store(row_max_ref.at[col_block, rows], jnp.max(magnitude, axis=1), mask=in_x)
+      if "rows" in max_refs:
+        plgpu.store(max_refs["rows"].at[col_block, rows], jnp.max(magnitude, axis=1),
+                    mask=in_x)
       return total, largest
 
     zeros = jnp.zeros((block_cols,), jnp.float32)
@@ -191,8 +197,8 @@ class Cast:
       total, largest = lax.fori_loop(0, self.steps, step, (zeros, zeros))
     if self.sums:
       plgpu.store(sums_ref.at[band, cols], total, mask=col_mask)
-    if self.maxima:
-      plgpu.store(col_max_ref.at[band, cols], largest, mask=col_mask)
+    if "columns" in max_refs:
+      plgpu.store(max_refs["columns"].at[band, cols], largest, mask=col_mask)
 
   def finish(self, outs):
     outs = list(outs)
@@ -219,10 +225,16 @@ def _line_scales(maxima_ref, lines, mask):
 @dataclasses.dataclass(frozen=True)
 class SumRows:
   """The fp32 sums of partial rows `[P, C]` (a reduction's parts), added first to last, as
-  `shared.sum_in_order` adds them: bitwise the same."""
+  `shared.sum_in_order` adds them: bitwise the same.
+
+  The rows are loaded `group` at a time before they are added, so a program waits for
+  one round trip to memory per group rather than per row (the partial rows were just
+  written: the wait is L2's latency, and a one-row-at-a-time loop over 64 rows took
+  ~6 us on the H200, benchmarks/NOTES.md, 47)."""
 
   shape: tuple[int, int]
   block: int = 256
+  group: int = 8
 
   num_inputs = 1
   num_outputs = 1
@@ -242,7 +254,18 @@ class SumRows:
     del mode, interpret
     cols, mask = span(program, self.block, self.shape[1])
     row = lambda p: plgpu.load(in_refs[0].at[p, cols], mask=mask, other=0.0).astype(jnp.float32)
-    total = lax.fori_loop(1, self.shape[0], lambda p, t: t + row(p), row(0))
+
+    def add_rows(total, first, count):
+      for value in [row(first + i) for i in range(count)]:   # every load, then the sums
+        total = total + value
+      return total
+
+    groups, rest = divmod(self.shape[0] - 1, self.group)
+    total = row(0)
+    if groups:
+      total = lax.fori_loop(0, groups, lambda g, t: add_rows(t, 1 + g * self.group, self.group),
+                            total)
+    total = add_rows(total, 1 + groups * self.group, rest)
     plgpu.store(out_refs[0].at[cols], total, mask=mask)
 
   def finish(self, outs):

@@ -22,9 +22,10 @@ TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 index its product keeps (a row of A, a column of B) so that its f16 values
 are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
-the accumulator by the reciprocal scales. One staging launch finds every
-input's line maxima (and grad_output's column sums), a second reduces them
-to the scales, writes the scaled f16 copies and the reciprocal scales. The
+the accumulator by the reciprocal scales. One staging launch finds the
+maxima of the lines each input is scaled along (and grad_output's column
+sums), a second reduces them to the scales and writes the scaled f16 copies
+and the reciprocal scales. The
 pre-GELU product's epilogue then runs on unscaled values, as on 16-bit
 products; its output stays fp32. It also returns the bias gradient (the
 sums of its fp32 columns) and the largest |value| of each row and column,
@@ -34,11 +35,12 @@ maximum is reduced by the launch after the one that leaves it: nothing runs
 in XLA between the launches.
 
 The engine's TMA copies need rows in whole groups of 8; for other S the
-S-row operands are padded with zero rows by the staging launch (which add
-nothing to any sum: gelu'(0) times a zero row is zero) and the input
-gradient is written with S rows (TMA drops the rest). The split last waves
-of the three products after the first are summed and written in one launch
-at the end (`engine.write_tails`).
+S-row operands it reads are padded with zero rows by the staging launch
+(which add nothing to any sum: gelu'(0) times a zero row is zero) and the
+input gradient is written with S rows (TMA drops the rest); on 16-bit
+inputs, grad_fc2_weight as XLA's dot reads the inputs as given. The split
+last waves of the three products after the first are summed and written in
+one launch at the end (`engine.write_tails`).
 """
 
 from __future__ import annotations
@@ -142,10 +144,16 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
                           gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
+  # What the engine reads by TMA has its S rows padded to whole groups of 8; XLA's dots
+  # read S rows. So grad_fc2_weight as XLA's dot of 16-bit inputs reads grad_output and
+  # gelu_output as given, not copies made only to pad them.
+  padded = padded_rows(problem.tokens)
+  inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret)
-  grad_fc2_weight = _weight_grad(grad_out16, gelu16, weight_config, problem)
+      interpret, gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
+  grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
+                                 weight_config, problem)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
@@ -184,17 +192,18 @@ def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem, interpret: bool):
+                     problem: Problem, interpret: bool, gelu_rows: int):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
-  Each input that is not yet in the operand dtype with whole groups of 8 rows
-  is copied so (`staging.Cast`, zero rows past S), read once; grad_output's
-  column sums (the bias gradient, of its values as given) come from the same
-  read, as partial rows. Returns `((grad_output, its partial column sums),
-  hidden_state, gelu_output, fc1_weight, fc2_weight)`."""
-  padded = padded_rows(problem.tokens)
+  Each input that is not yet in the operand dtype with its rows (the S-row inputs' padded
+  to whole groups of 8, gelu_output's `gelu_rows`: S or padded) is copied
+  so (`staging.Cast`, zero rows past S), read once; grad_output's column sums (the bias
+  gradient, of its values as given) come from the same read, as partial rows. Returns
+  `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
+  fc2_weight)`."""
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
-  rows = (padded, padded, padded, fc1_weight.shape[0], fc2_weight.shape[0])
+  padded = padded_rows(problem.tokens)
+  rows = (padded, padded, gelu_rows, fc1_weight.shape[0], fc2_weight.shape[0])
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
     copy = x.dtype != operand or x_rows != x.shape[0]
@@ -229,13 +238,14 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
                          defer_tail="epilogue" not in options, **options)
 
   # One pass over every input for its line maxima (and grad_output's column sums, the bias
-  # gradient), as partial rows; one for the scaled f16 copies the products read, which
+  # gradient), as partial rows: grad_output's columns and rows, the others' columns (the
+  # lines they are scaled along); one for the scaled f16 copies the products read, which
   # reduces the maxima to the scales and the reciprocals the engine unscales by.
   inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
-  (fc2_bias_parts, *dy_maxima), *maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, maxima=True, finished=False), (x,))
+  (fc2_bias_parts, *dy_maxima), gelu_maxima, x_maxima, w1_maxima, w2_maxima = launch(
+      [(Cast(x.shape, None, sums=x is grad_output, finished=False,
+             maxima=("columns", "rows") if x is grad_output else ("columns",)), (x,))
        for x in inputs], "mlp_backward_maxima")
-  gelu_maxima, x_maxima, w1_maxima, w2_maxima = (columns for columns, _ in maxima)
   scaled = functools.partial(Cast, out_dtype=f16, parts=SCALED_COPY_PARTS)
   by_columns = lambda x, rows=0: scaled(x.shape, rows=rows, scales=("columns",))
   # In the reverse of the maxima launch's order: what it read last is still in L2, and
