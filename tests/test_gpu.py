@@ -14,6 +14,7 @@ HIGHEST's contract (1e-5), and 2 u for the modes that round (TF32 u = 2^-11, f16
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -237,3 +238,33 @@ def test_mosaic_backend_model_sizes(hidden, intermediate):
   inputs = helpers.backward_inputs(197, hidden, intermediate)
   bounds.check_backward(_mosaic_backward(inputs, F16), inputs, F16,
                         f"mosaic {hidden}x{intermediate}")
+
+
+@pytest.mark.parametrize("tokens", [773, 1163, 2500])
+@pytest.mark.parametrize("dtype, precision", [(jnp.float32, F16), (jnp.float32, None),
+                                              (jnp.bfloat16, None)],
+                         ids=["fp32-f16", "fp32-default", "bf16"])
+def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, precision):
+  """The fused pre-GELU product with its last wave split along K in every table (the tables
+  split it only for F16 on fp32 inputs up to S=1163): staging.TailEpilogue finishes the
+  K-parts, fp32 partials through the operand's tile (fp32 inputs) or their own buffer (bf16,
+  3 stages to fit); within bounds and bitwise repeatable."""
+  from vision_mlp_bwd import precision as precisions
+  from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
+  tables = backward_sm90.TABLES
+  split = lambda name, c: dataclasses.replace(
+      c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
+  tables = dataclasses.replace(tables, pre_gelu={
+      name: tuple((bound, split(name, c)) for bound, c in rows)
+      for name, rows in tables.pre_gelu.items()})
+  mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
+  problem = Problem(tokens, 1280, 3584, jnp.dtype(dtype), mode)
+  plan = engine.schedule(tokens + (-tokens) % 8, 3584, 1280, tables.configs(problem)[0],
+                         engine.num_sms())
+  assert plan.splits > 1, plan
+  inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
+  fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
+  outs = jax.device_get(fn(*inputs))
+  bounds.check_backward(outs, inputs, precision, f"split pre-GELU S={tokens}")
+  for a, b in zip(outs, jax.device_get(fn(*inputs))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

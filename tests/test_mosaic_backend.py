@@ -85,7 +85,7 @@ def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
 
 def test_it_is_preferred_only_where_its_routing_says():
   backend = mosaic.BACKEND
-  assert backend.preferred(_problem(4096), "gpu") and not backend.preferred(_problem(1163), "gpu")
+  assert backend.preferred(_problem(4096), "gpu") and not backend.preferred(_problem(384), "gpu")
   assert not backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")   # not measured
   assert backend.preferred(_problem(384, jnp.bfloat16, DotMode.BF16), "gpu")
   assert not backend.preferred(_problem(768, jnp.bfloat16, DotMode.BF16), "gpu")
