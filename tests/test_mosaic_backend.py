@@ -17,6 +17,7 @@ import pytest
 
 from vision_mlp_bwd.backends import mosaic
 from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
+from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 from tests import bounds, helpers
@@ -37,7 +38,8 @@ def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate
 TABLE_MODES = [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16),
                (jnp.float32, DotMode.TF32)]
 LOWERING_CASES = [*((2500, *m) for m in MODES),
-                  *((tokens, *m) for tokens in (7, 8192) for m in TABLE_MODES)]
+                  *((tokens, *m) for tokens in (7, 8192) for m in TABLE_MODES),
+                  (1163, jnp.float32, DotMode.F16)]   # the fused product's split last wave
 
 
 @needs_lowering
@@ -56,6 +58,10 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
   on_xla = (rows is mosaic_backward.XLA_DOT) + 2 * (weights is mosaic_backward.XLA_DOT)
   assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
   assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
+  pre = mosaic_backward.TABLES.configs(problem)[0]
+  split = mosaic_backward.engine.schedule(padded_rows(tokens), I, H, pre,
+                                         mosaic_backward.engine.num_sms()).splits > 1
+  assert ("engine_fused_tails" in text) == split, "TailEpilogue exactly where the tables split"
 
 
 @pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))
