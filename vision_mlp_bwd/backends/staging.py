@@ -325,16 +325,24 @@ class TailSum:
     block_row, block_col = (self.first + t) // self.grid_n, (self.first + t) % self.grid_n
     in_rows = (piece // per_row) * tm + jnp.arange(tm)
     in_cols = (piece % per_row) * tn + jnp.arange(tn)
-    total = None
-    for s in range(self.splits):   # first to last
-      x = plgpu.load(parts.at[((t * self.splits + s) * bm + in_rows)[:, None], in_cols[None, :]])
-      total = x if total is None else total + x
+    total = _sum_parts(parts, t, self.splits, bm, in_rows, in_cols)
     rows, cols = block_row * bm + in_rows, block_col * bn + in_cols
     index, mask = tile_indices(rows, rows < m, cols, cols < n)
     plgpu.store(out.at[index], total.astype(out.dtype), mask=mask)
 
   def finish(self, outs):
     return outs[0]
+
+
+def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
+  """The `[in_rows, in_cols]` tile of a split block's K-parts (`TailSum`'s layout: the
+  `splits` parts of tail block `block` one after another), added first to last."""
+  total = None
+  for s in range(splits):
+    x = plgpu.load(parts.at[((block * splits + s) * block_rows + in_rows)[:, None],
+                            in_cols[None, :]])
+    total = x if total is None else total + x
+  return total
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,10 +429,7 @@ class TailEpilogue:
     block_row, block_col = (self.first + t) // self.grid_n, (self.first + t) % self.grid_n
     in_rows = tile_row * tm + jnp.arange(tm)
     in_cols = tile_col * tn + strip * cn + jnp.arange(cn)
-    total = None
-    for s in range(self.splits):   # first to last
-      x = plgpu.load(parts.at[((t * self.splits + s) * bm + in_rows)[:, None], in_cols[None, :]])
-      total = x if total is None else total + x
+    total = _sum_parts(parts, t, self.splits, bm, in_rows, in_cols)
     rows, cols = block_row * bm + in_rows, block_col * bn + in_cols
     x = load_tile(operand, rows, rows < operand.shape[0], cols, cols < n)
     value = self.epilogue(total, x.astype(jnp.float32))
