@@ -246,9 +246,10 @@ def test_mosaic_backend_model_sizes(hidden, intermediate):
                          ids=["fp32-f16", "fp32-default", "bf16"])
 def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, precision):
   """The fused pre-GELU product with its last wave split along K in every table (the tables
-  split it only for F16 on fp32 inputs up to S=1163): staging.TailEpilogue finishes the
-  K-parts, fp32 partials through the operand's tile (fp32 inputs) or their own buffer (bf16,
-  3 stages to fit); within bounds and bitwise repeatable."""
+  split it only on fp32 inputs under F16 and BF16, at S = 513-1163): staging.TailEpilogue
+  finishes the K-parts, their fp32 partials through the fp32 operand's tile (F16), the fp32
+  output's buffers (DEFAULT) or a buffer of their own (bf16 inputs, 3 stages to fit); within
+  bounds and bitwise repeatable."""
   from vision_mlp_bwd import precision as precisions
   from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
   tables = backward_sm90.TABLES

@@ -5,14 +5,15 @@ concatenation of their programs, each program runs the body of the job it
 belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
 plain or scaled by powers of two per column or row, with zero rows
 appended, and its column sums and line maxima on the way), `TailSum` (a
-split product's last blocks summed in place), `SumRows` (partial sums added
+split product's last blocks summed in place), `TailEpilogue` (the same for a
+product with a fused epilogue, which it applies), `SumRows` (partial sums added
 in order), `Zeros` (arrival counters),
 `Scales` (the Triton backend's TF32 staging: the largest magnitudes along
 one axis, and in the same program the f16 copy scaled by them,
 `precision.f16_scale`), or one of the Triton backend's products
 (`backends/triton/kernels.py`). Both backends stage their operands with
 these jobs: the Mosaic backend's four products read what its staging
-launches write, and its split products end in a `TailSum`.
+launches write, and its split products end in a `TailSum` or `TailEpilogue`.
 
 Every load and store is masked, so any shape runs without reading or writing
 out of bounds. Sums never use float atomics: each row of tiles writes its own
@@ -349,7 +350,9 @@ def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
 class TailEpilogue:
   """A fused product's last blocks (the engine's last wave split along K, `engine.matmul`
   with an epilogue): their K-parts added first to last, then the epilogue and its
-  reductions as the engine's applies them to its whole blocks, written in place.
+  reductions as the engine's applies them to its whole blocks, written in place. The
+  epilogue's exp and division here are Triton's exact ones, where the engine may use
+  the approximate instructions (`approx_math`).
 
   Inputs: the product `out` (aliased), its fp32 K-parts (as `TailSum` takes them), the
   epilogue operand `[M', N]` (rows past M' read as zeros, as TMA reads them), then the

@@ -33,9 +33,9 @@ A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 (the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). `fn` needs
 the whole sum, so the K-parts of a split last wave store only their fp32
-partials (through the operand's buffer when `X` is fp32), and one more launch
-(a `staging.TailEpilogue` job) adds them, applies `fn` and the reductions
-below, and writes those blocks. It can also return
+partials (see `_partials_buffer` for the shared memory they go through), and
+one more launch (a `staging.TailEpilogue` job) adds them, applies `fn` and the
+reductions below, and writes those blocks. It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
 of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
@@ -336,7 +336,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
         line_maxima)
     (outs,) = staging.launch(
         [(job, (outs[0], partials.reshape(-1, block_n), epilogue_operand, *outs[1:]))],
-        mode=None, interpret=interpret is not None, name="engine_fused_tails")
+        mode=None, interpret=bool(interpret), name="engine_fused_tails")
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -350,7 +350,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                        _tail_job(outs[0], plan, config.block))
   if defer_tail:
     return split
-  (out,) = write_tails(split, interpret=interpret is not None)
+  (out,) = write_tails(split, interpret=bool(interpret))
   return out
 
 
@@ -405,8 +405,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   partials_buffer = _partials_buffer(out_dtype, None if epilogue is None else operand_gmem.dtype)
   separate_partial_smem = bool(partial_gmem) and partials_buffer == "own"
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
-  # of a 16-bit product get one buffer each, at least 32 columns wide (a
-  # 128-byte swizzle), so the two epilogues fit beside the operand ring.
+  # of a 16-bit product without an fp32 epilogue operand get one buffer each, at
+  # least 32 columns wide (a 128-byte swizzle), so the two epilogues fit beside
+  # the operand ring.
   epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
       (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype, rows))
   out_tile_rows = 8 if out_gmem.shape[0] % 8 == 0 else 1   # TMA reaches a ragged output
