@@ -335,6 +335,13 @@ class TailSum:
     return outs[0]
 
 
+def warpgroup_tile_lines(shape, block, warpgroup_tile):
+  """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
+  partial rows its epilogue's column reductions and its row maxima leave."""
+  (m, n), (bm, bn), (tm, tn) = shape, block, warpgroup_tile
+  return pl.cdiv(m, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
+
+
 def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
   """The `[in_rows, in_cols]` tile of a split block's K-parts (`TailSum`'s layout: the
   `splits` parts of tail block `block` one after another), added first to last."""
@@ -409,8 +416,9 @@ class TailEpilogue:
       assert x.shape == like.shape and x.dtype == like.dtype, (self, x.shape, like)
 
   def out_shapes(self, like):
-    (bm, bn), (tm, tn), n = self.block, self.warpgroup_tile, self.shape[1]
-    tile_rows, tile_cols = pl.cdiv(self.rows, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
+    n = self.shape[1]
+    tile_rows, tile_cols = warpgroup_tile_lines((self.rows, n), self.block,
+                                                self.warpgroup_tile)
     shapes = [out_struct(tuple(self.shape), self.out_dtype, like)]
     if self.column_sums is not None:
       shapes.append(out_struct((tile_rows, n), jnp.float32, like))

@@ -257,9 +257,10 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch); a fused product's split blocks are finished here, by one more launch. With `out_rows` (<= M), the output keeps only its first `out_rows` rows
-  (TMA drops the stores past them: an S-row input gradient from a product over operands
-  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
+  in one launch); a fused product's split blocks are finished here, by one more launch.
+  With `out_rows` (<= M), the output keeps only its first `out_rows` rows (TMA drops
+  the stores past them: an S-row input gradient from a product over operands padded to
+  whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -311,11 +312,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
-  sum_rows = plan.grid_mn[0] * block_m // config.tile_m
+  sum_rows, max_rows = staging.warpgroup_tile_lines((m, n), config.block,
+                                                    (config.tile_m, config.tile_n))
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
-    max_rows = plan.grid_mn[1] * block_n // config.tile_n
     out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
                   jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
   if plan.splits > 1:
@@ -484,24 +485,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
         acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
                        * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
-      if partial_index is not None and partials_buffer == "operand":
-        # The whole tile at once through the operand's buffer, free in a K-part; stored
-        # before the buffer's next load.
-        operand_smem[wg] = value
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(operand_smem.at[wg], partial_gmem[0].at[
-            partial_index, pl.ds(partial_origin[0], tile_m), pl.ds(partial_origin[1], tile_n)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return
-      if epilogue is not None and partial_index is None:
-        plgpu.barrier_wait(operand_arrived.at[wg])
-        value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       if partial_index is None:
         out, smem = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem
       else:   # the partial block's own coordinates
         out = partial_gmem[0].at[partial_index, pl.ds(partial_origin[0], tile_m),
                                  pl.ds(partial_origin[1], tile_n)]
         smem = partial_smem if separate_partial_smem else out_smem
+        if partials_buffer == "operand":
+          # The whole tile at once through the operand's buffer, free in a K-part; stored
+          # before the buffer's next load.
+          operand_smem[wg] = value
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(operand_smem.at[wg], out)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          return
+      if epilogue is not None and partial_index is None:
+        plgpu.barrier_wait(operand_arrived.at[wg])
+        value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       acc = value.astype(smem.dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
       if reduces_columns and partial_index is None:
