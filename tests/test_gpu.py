@@ -224,8 +224,9 @@ def _mosaic_backward(inputs, precision):
     ids=["fp32-f16", "fp32-bf16", "fp32-default", "bf16", "f16"])
 def test_mosaic_backend_within_bounds_and_deterministic(tokens, dtype, precision):
   """The engine's backward at S that leave ragged tails in every block dimension (and rows
-  padded to TMA's groups of 8), above S=4096 too (where the tables change): on fresh inputs, every element within its bound (so every
-  element was written), and bit for bit the same on a second call."""
+  padded to TMA's groups of 8), above S=4096 too (where the tables change): on fresh
+  inputs, every element within its bound (so every element was written), and bit for bit
+  the same on a second call."""
   inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
   outs = _mosaic_backward(inputs, precision)
   bounds.check_backward(outs, inputs, precision, f"mosaic S={tokens}")
@@ -252,6 +253,7 @@ def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, preci
   bounds and bitwise repeatable."""
   from vision_mlp_bwd import precision as precisions
   from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
+  from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
   tables = backward_sm90.TABLES
   split = lambda name, c: dataclasses.replace(
       c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
@@ -260,7 +262,7 @@ def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, preci
       for name, rows in tables.pre_gelu.items()})
   mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   problem = Problem(tokens, 1280, 3584, jnp.dtype(dtype), mode)
-  plan = engine.schedule(tokens + (-tokens) % 8, 3584, 1280, tables.configs(problem)[0],
+  plan = engine.schedule(padded_rows(tokens), 3584, 1280, tables.configs(problem)[0],
                          engine.num_sms())
   assert plan.splits > 1, plan
   inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
