@@ -101,9 +101,9 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
     "stored": (256, 128, 256, 3, C(tile_n=64, stages=2, epilogue_tile=(64, 64)), "stored",
                jnp.bfloat16, jnp.bfloat16),
     # 3 x 1 blocks on 2 programs: each runs a whole block, then a K-part of the last block,
-    # which the second program's part finishes (the interpreter runs the programs in order,
-    # so it does without the semaphore); the last case has no whole block (one block in
-    # two K-parts).
+    # which staging.TailEpilogue finishes. The partials go through the fp32 operand's tile,
+    # a buffer of their own (bf16 operand), or the fp32 output's buffers; the last case
+    # has no whole block (one block in two K-parts).
     "unrounded, last wave split, fp32 operand": (
         384, 256, 128, 2, SPLIT, "unrounded", jnp.float32, jnp.bfloat16),
     "stored, last wave split, bf16 operand": (

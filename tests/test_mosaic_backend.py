@@ -59,12 +59,9 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
   assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
   assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
   pre = mosaic_backward.TABLES.configs(problem)[0]
-  plan = mosaic_backward.engine.schedule(padded_rows(tokens), I, H, pre,
-                                        mosaic_backward.engine.num_sms())
-  # The K-parts that hand their sums to each split block's last part: a workspace of
-  # tail x (splits - 1) fp32 blocks, exactly where the tables split.
-  workspace = f"tensor<{plan.tail * (plan.splits - 1)}x{pre.block[0]}x{pre.block[1]}xf32>"
-  assert (workspace in text) == (plan.splits > 1), plan
+  split = mosaic_backward.engine.schedule(padded_rows(tokens), I, H, pre,
+                                         mosaic_backward.engine.num_sms()).splits > 1
+  assert ("engine_fused_tails" in text) == split, "TailEpilogue exactly where the tables split"
 
 
 @pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))

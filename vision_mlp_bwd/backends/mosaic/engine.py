@@ -32,13 +32,10 @@ writes the output's last r blocks in place.
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 (the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). `fn` needs
-the whole sum, so a split block is finished in the same launch by its last
-K-part's program: the other parts store their fp32 accumulators to a
-workspace and signal a semaphore; the last waits for them, adds them first to
-last and its own accumulator after them, and runs the epilogue as for a whole
-block. Every part is in the last wave, and the persistent grid keeps all
-programs resident, so the wait always ends; the sum's order is fixed, so the
-result is bitwise deterministic. It can also return
+the whole sum, so the K-parts of a split last wave store only their fp32
+partials (see `_partials_buffer` for the shared memory they go through), and
+one more launch (a `staging.TailEpilogue` job) adds them, applies `fn` and the
+reductions below, and writes those blocks. It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
 of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
@@ -146,8 +143,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   buffers.append(2 * slots * epi_m * epi_n * out_bytes)
-  if split_tail and epilogue_dtype is None and _partials_buffer(out_dtype) == "own":
-    buffers.append(2 * epi_m * max(epi_n, 32) * 4)   # one per warpgroup
+  if split_tail and _partials_buffer(out_dtype, epilogue_dtype) == "own":   # one per warpgroup
+    buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
   if column_sums:                     # one row of sums per warpgroup
@@ -223,18 +220,15 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
-def _partials_buffer(out_dtype) -> str:
-  """Where a plain product's K-part stages its fp32 partial tile for TMA: the output's
-  epilogue buffers when they are fp32, else a buffer of its own. (A fused product's
-  K-parts store theirs from registers: their reader is a program of the same launch.)"""
-  return "out" if jnp.dtype(out_dtype) == jnp.float32 else "own"
-
-
-def _warpgroup_tile_lines(shape, block, warpgroup_tile):
-  """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
-  partial rows its epilogue's column reductions and its row maxima leave."""
-  (m, n), (bm, bn), (tm, tn) = shape, block, warpgroup_tile
-  return pl.cdiv(m, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
+def _partials_buffer(out_dtype, epilogue_dtype) -> str:
+  """Where a K-part's fp32 partial tile goes through shared memory: the output's epilogue
+  buffers when they are fp32, else the fused epilogue's operand tile when that is fp32
+  (K-parts have no epilogue), else a buffer of its own."""
+  if jnp.dtype(out_dtype) == jnp.float32:
+    return "out"
+  if epilogue_dtype is not None and jnp.dtype(epilogue_dtype) == jnp.float32:
+    return "operand"
+  return "own"
 
 
 def num_sms() -> int:
@@ -261,9 +255,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   division in the kernel (the epilogue's) use the GPU's approximate instructions
   (ex2.approx, div.approx: within 2^-22 relative). With `partial_reductions`, the sums
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
-  column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a plain
-  product whose last wave is split returns a `SplitProduct` for `write_tails` (which
-  finishes several in one launch); a fused product finishes its split blocks itself.
+  column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
+  last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
+  in one launch); a fused product's split blocks are finished here, by one more launch.
   With `out_rows` (<= M), the output keeps only its first `out_rows` rows (TMA drops
   the stores past them: an S-row input gradient from a product over operands padded to
   whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
@@ -318,19 +312,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
-  sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
-                                              (config.tile_m, config.tile_n))
+  sum_rows, max_rows = staging.warpgroup_tile_lines((m, n), config.block,
+                                                    (config.tile_m, config.tile_n))
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
     out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
                   jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
-  if plan.splits > 1:   # a fused product's last K-parts keep theirs in registers
-    stored_parts = plan.splits - (epilogue is not None)
+  if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
-        (plan.tail * stored_parts, block_m, block_n), jnp.float32))
-  interpreted = interpret is not None and interpret is not False
-  kernel = functools.partial(kernel, interpreted=interpreted)
+        (plan.tail * plan.splits, block_m, block_n), jnp.float32))
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
@@ -338,8 +329,15 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
-  if epilogue is not None and plan.splits > 1:
-    outs = outs[:-1]   # the K-parts' workspace
+  if epilogue is not None and plan.splits > 1:   # the K-parts added, then the epilogue
+    *outs, partials = outs
+    job = staging.TailEpilogue(
+        outs[0].shape, outs[0].dtype, config.block, (config.tile_m, config.tile_n),
+        plan.grid_mn[1], plan.whole, plan.tail, plan.splits, epilogue, m, column_sums,
+        line_maxima)
+    (outs,) = staging.launch(
+        [(job, (outs[0], partials.reshape(-1, block_n), epilogue_operand, *outs[1:]))],
+        mode=None, interpret=bool(interpret), name="engine_fused_tails")
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -388,7 +386,7 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool, interpreted: bool):
+            line_maxima: bool):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -396,9 +394,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   sums_gmem = refs.pop(0) if column_sums else None
   col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
   partial_gmem = refs   # the split tail's fp32 partials, if any
-  # A fused split block's last K-part waits on one semaphore per warpgroup tile.
-  arrived = (pl.get_global(plgpu.SemaphoreType.REGULAR((plan.tail, 2)))
-             if partial_gmem and epilogue is not None and not interpreted else None)
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
@@ -408,8 +403,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   slots = min(config.epilogue_buffers, pieces)
 
   partial_dtype = jnp.float32
-  separate_partial_smem = (bool(partial_gmem) and epilogue is None
-                           and _partials_buffer(out_dtype) == "own")
+  partials_buffer = _partials_buffer(out_dtype, None if epilogue is None else operand_gmem.dtype)
+  separate_partial_smem = bool(partial_gmem) and partials_buffer == "own"
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
   # of a 16-bit product without an fp32 epilogue operand get one buffer each, at
   # least 32 columns wide (a 128-byte swizzle), so the two epilogues fit beside
@@ -464,11 +459,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
              scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
 
-    def start_tile(row0, col0):
+    def start_tile(row0, col0, whole=True):
       """Starts the TMA copies of what warpgroup `wg`'s epilogue reads for its tile at
-      (row0, col0): they arrive while the MMAs run."""
+      (row0, col0): they arrive while the MMAs run. A K-part (not `whole`) reads no
+      epilogue operand."""
       rows, cols = pl.ds(row0, tile_m), pl.ds(col0, tile_n)
-      if epilogue is not None:
+      if epilogue is not None and whole:
         plgpu.copy_gmem_to_smem(operand_gmem.at[rows, cols], operand_smem.at[wg],
                                 operand_arrived.at[wg])
       if scaled:
@@ -495,6 +491,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         out = partial_gmem[0].at[partial_index, pl.ds(partial_origin[0], tile_m),
                                  pl.ds(partial_origin[1], tile_n)]
         smem = partial_smem if separate_partial_smem else out_smem
+        if partials_buffer == "operand":
+          # The whole tile at once through the operand's buffer, free in a K-part; stored
+          # before the buffer's next load.
+          operand_smem[wg] = value
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(operand_smem.at[wg], out)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          return
       if epilogue is not None and partial_index is None:
         plgpu.barrier_wait(operand_arrived.at[wg])
         value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
@@ -556,42 +560,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
-    def fused_part(index, acc_ref, run_pipeline, row0, col0):
-      """The index-th K-part of a fused product's last wave (see the module docstring):
-      block `index // splits`'s last part finishes it, the others hand it their sums."""
-      block, part = index // plan.splits, index % plan.splits
-      last = part == plan.splits - 1
-      workspace = partial_gmem[0]
-      tile = (pl.ds(wg_row0, tile_m), pl.ds(wg_col0, tile_n))
-      slot = lambda p: block * (plan.splits - 1) + p
-
-      @pl.when(last)
-      def _start():
-        start_tile(row0, col0)
-
-      run_pipeline(acc_ref)
-      acc = acc_ref[...]
-
-      @pl.when(~last)
-      def _hand_over():
-        workspace[(slot(part), *tile)] = acc
-        if not interpreted:   # (the interpreter runs programs in order: the last part last)
-          plgpu.semaphore_signal(arrived.at[block, wg], memory_scope="gpu")
-
-      @pl.when(last)
-      def _finish():
-        if not interpreted:
-          plgpu.semaphore_wait(arrived.at[block, wg], plan.splits - 1, memory_scope="gpu")
-        total = None
-        for p in range(plan.splits - 1):
-          # (Mosaic GPU loads GMEM into the WGMMA layout only unoptimized; the interpreter
-          # takes plain indexing.)
-          x = (workspace[(slot(p), *tile)] if interpreted else
-               plgpu.load(workspace, (slot(p), *tile), layout=plgpu.Layout.WGMMA,
-                          optimized=False))
-          total = x if total is None else total + x
-        finish_tile(total + acc, row0, col0)
-
     def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
       the program's `seq`-th pipeline of a chained schedule."""
@@ -601,9 +569,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       def compute_context(run_pipeline):
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
-          if partial_index is not None and epilogue is not None:
-            return fused_part(partial_index, acc_ref, run_pipeline, row0, col0)
-          start_tile(row0, col0)
+          start_tile(row0, col0, whole=partial_index is None)
           run_pipeline(acc_ref)
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
