@@ -247,7 +247,7 @@ def test_mosaic_backend_model_sizes(hidden, intermediate):
                          ids=["fp32-f16", "fp32-default", "bf16"])
 def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, precision):
   """The fused pre-GELU product with its last wave split along K in every table (the tables
-  split it only on fp32 inputs under F16 and BF16, at S = 513-1163): staging.TailEpilogue
+  split it only on fp32 inputs under F16 and BF16, at S = 997-1163): staging.TailEpilogue
   finishes the K-parts, their fp32 partials through the fp32 operand's tile (F16), the fp32
   output's buffers (DEFAULT) or a buffer of their own (bf16 inputs, 3 stages to fit); within
   bounds and bitwise repeatable."""
