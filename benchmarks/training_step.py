@@ -26,7 +26,6 @@ import subprocess
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import vision_mlp_bwd
 from benchmarks.run import REPO_ROOT, result_stem, todays_runs_dir

@@ -402,7 +402,7 @@ class TailEpilogue:
 
   @property
   def programs(self) -> int:
-    (bm, bn), (tm, tn) = self.block, self.warpgroup_tile
+    (bm, bn), tm = self.block, self.warpgroup_tile[0]
     return self.tail * (bm // tm) * (bn // self.chunk)
 
   def check(self, operands):

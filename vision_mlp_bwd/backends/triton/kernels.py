@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
