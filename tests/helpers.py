@@ -6,6 +6,7 @@ model and the chex check against it are in `tests/bounds.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -137,3 +138,14 @@ def recorded_commit(path):
     return None
   commit = record.get("meta", {}).get("git_commit") or record.get("commit")
   return None if commit in (None, "unknown") else commit
+
+
+def split_pre_gelu_tables(tables):
+  """Mosaic `tables` with every pre-GELU row's last wave split along K (tail_splits 8; 3
+  stages on 16-bit inputs, where the K-parts' partials take a buffer of their own), as the
+  H200 tables split it only at some S."""
+  split = lambda name, c: dataclasses.replace(
+      c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
+  return dataclasses.replace(tables, pre_gelu={
+      name: tuple((bound, split(name, c)) for bound, c in rows)
+      for name, rows in tables.pre_gelu.items()})

@@ -18,7 +18,6 @@ turning it off (above) changes which cuBLAS kernels run, not our kernels.
 """
 
 import argparse
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -47,12 +46,7 @@ if args.split_pre_gelu and args.implementation != "mosaic":
 def split_backward(problem):
   """The Mosaic backward with every pre-GELU row's last wave split."""
   from vision_mlp_bwd.backends.mosaic import backward_sm90
-  tables = backward_sm90.TABLES
-  split = lambda name, c: dataclasses.replace(
-      c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
-  tables = dataclasses.replace(tables, pre_gelu={
-      name: tuple((bound, split(name, c)) for bound, c in rows)
-      for name, rows in tables.pre_gelu.items()})
+  tables = helpers.split_pre_gelu_tables(backward_sm90.TABLES)
   return jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
 
 

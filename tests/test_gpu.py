@@ -14,7 +14,6 @@ HIGHEST's contract (1e-5), and 2 u for the modes that round (TF32 u = 2^-11, f16
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import chex
@@ -254,12 +253,7 @@ def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, preci
   from vision_mlp_bwd import precision as precisions
   from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
   from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
-  tables = backward_sm90.TABLES
-  split = lambda name, c: dataclasses.replace(
-      c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
-  tables = dataclasses.replace(tables, pre_gelu={
-      name: tuple((bound, split(name, c)) for bound, c in rows)
-      for name, rows in tables.pre_gelu.items()})
+  tables = helpers.split_pre_gelu_tables(backward_sm90.TABLES)
   mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   problem = Problem(tokens, 1280, 3584, jnp.dtype(dtype), mode)
   plan = engine.schedule(padded_rows(tokens), 3584, 1280, tables.configs(problem)[0],
