@@ -24,8 +24,8 @@ import jax.numpy as jnp
 
 import vision_mlp_bwd
 from tests import helpers
-from vision_mlp_bwd import precision as precisions
-from vision_mlp_bwd.problem import Problem
+from vision_mlp_bwd.precision import canonicalize
+from vision_mlp_bwd.problem import check_backward_args
 
 F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
@@ -55,8 +55,7 @@ for tokens in args.seq_lens:
     dtype, precision = RUNS[run]
     inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
     if args.split_pre_gelu:
-      mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
-      fn = split_backward(Problem(tokens, 1280, 3584, jnp.dtype(dtype), mode))
+      fn = split_backward(check_backward_args(*inputs, canonicalize(precision)))
     else:
       fn = lambda *a: vision_mlp_bwd.mlp_backward(*a, precision=precision,
                                                   implementation=args.implementation)

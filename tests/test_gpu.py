@@ -250,16 +250,16 @@ def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, preci
   finishes the K-parts, their fp32 partials through the fp32 operand's tile (F16), the fp32
   output's buffers (DEFAULT) or a buffer of their own (bf16 inputs, 3 stages to fit); within
   bounds and bitwise repeatable."""
-  from vision_mlp_bwd import precision as precisions
   from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
   from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
+  from vision_mlp_bwd.precision import canonicalize
+  from vision_mlp_bwd.problem import check_backward_args
   tables = helpers.split_pre_gelu_tables(backward_sm90.TABLES)
-  mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
-  problem = Problem(tokens, 1280, 3584, jnp.dtype(dtype), mode)
+  inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
+  problem = check_backward_args(*inputs, canonicalize(precision))
   plan = engine.schedule(padded_rows(tokens), 3584, 1280, tables.configs(problem)[0],
                          engine.num_sms())
   assert plan.splits > 1, plan
-  inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
   fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
   outs = jax.device_get(fn(*inputs))
   bounds.check_backward(outs, inputs, precision, f"split pre-GELU S={tokens}")
