@@ -58,6 +58,8 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
   on_xla = (rows is mosaic_backward.XLA_DOT) + 2 * (weights is mosaic_backward.XLA_DOT)
   assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
   assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
+  if rows is mosaic_backward.XLA_DOT and weights is mosaic_backward.XLA_DOT:
+    assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
   pre = mosaic_backward.TABLES.configs(problem)[0]
   split = mosaic_backward.engine.schedule(padded_rows(tokens), I, H, pre,
                                          mosaic_backward.engine.num_sms()).splits > 1
@@ -234,13 +236,14 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision)
   outs = fn(*inputs)
   assert [o.shape for o in outs] == [x.shape for x in inputs[1:6]]
   bounds.check_backward(outs, inputs, precision, f"xla dots {dtype.__name__}")
-  # Copies: grad_output and hidden_state padded to 64 rows (the engine's operand, and the
-  # operand beside its padded output); on fp32 inputs the casts of the others, gelu_output
-  # padded as grad_output's copy beside it; on 16-bit inputs no copy of gelu_output, which
-  # only XLA's dot reads, beside grad_output as given.
-  copies = [((tokens, 128), 64), ((tokens, 128), 64)]
+  # Copies: grad_output padded to 64 rows for the engine; on fp32 inputs the casts of the
+  # others, hidden_state with its 61 rows (only XLA's dot reads it, beside the S-row
+  # pre-GELU gradient), gelu_output padded as grad_output's copy beside it; on 16-bit
+  # inputs nothing more (hidden_state and gelu_output only XLA's dots read, as given).
+  copies = [((tokens, 128), 64)]
   if dtype == jnp.float32:
-    copies += [((tokens, 256), 64), ((256, 128), 256), ((128, 256), 128)]
+    copies += [((tokens, 128), tokens), ((tokens, 256), 64), ((256, 128), 256),
+               ((128, 256), 128)]
   assert staged == copies
 
 

@@ -37,10 +37,11 @@ in XLA between the launches.
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands it reads are padded with zero rows by the staging launch
 (which add nothing to any sum: gelu'(0) times a zero row is zero) and the
-input gradient is written with S rows (TMA drops the rest); on 16-bit
-inputs, grad_fc2_weight as XLA's dot reads the inputs as given. The split
-last waves of the three products after the first are summed and written in
-one launch at the end (`engine.write_tails`).
+input gradient is written with S rows (TMA drops the rest), and so is the
+pre-GELU gradient where only XLA's dots read it (with hidden_state's copy
+beside it); on 16-bit inputs, grad_fc2_weight as XLA's dot reads the inputs
+as given. The split last waves of the three products after the first are
+summed and written in one launch at the end (`engine.write_tails`).
 """
 
 from __future__ import annotations
@@ -145,13 +146,18 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
                           gelu_output, problem, configs, interpret)
   pre_config, rows_config, weight_config = configs
   # What the engine reads by TMA has its S rows padded to whole groups of 8; XLA's dots
-  # read S rows. So grad_fc2_weight as XLA's dot of 16-bit inputs reads grad_output and
-  # gelu_output as given, not copies made only to pad them.
+  # read S rows. So where both products after the fused one are XLA's, the pre-GELU
+  # gradient is written with S rows (TMA drops the rest) and hidden_state's copy beside
+  # it has S rows too; and grad_fc2_weight as XLA's dot of 16-bit inputs reads grad_output
+  # and gelu_output as given. No operand is copied only to pad it or to cut it back.
   padded = padded_rows(problem.tokens)
+  pre_rows = (problem.tokens if rows_config is XLA_DOT and weight_config is XLA_DOT
+              else padded)
   inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret, gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
+      interpret, hidden_rows=pre_rows,
+      gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
   grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
                                  weight_config, problem)
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
@@ -161,7 +167,7 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       grad_out16, w2, out_dtype=operand, config=pre_config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
-      partial_reductions=True)
+      partial_reductions=True, out_rows=pre_rows)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
   grad_hidden_state = _input_grad(grad_pre16, w1, rows_config, problem)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
@@ -182,7 +188,7 @@ def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
 
 
 def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
-  """`grad_pre @ fc1_weight` with S rows (of grad_pre's padded ones) in the input dtype: the
+  """`grad_pre @ fc1_weight` with S rows (of grad_pre's, S or padded) in the input dtype: the
   engine's (its split tail deferred to `engine.write_tails`) or XLA's dot."""
   if config is XLA_DOT:
     return reference.input_grad(grad_pre[:problem.tokens], fc1_weight, problem.mode,
@@ -192,18 +198,19 @@ def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem, interpret: bool, gelu_rows: int):
+                     problem: Problem, interpret: bool, hidden_rows: int, gelu_rows: int):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
-  Each input that is not yet in the operand dtype with its rows (the S-row inputs' padded
-  to whole groups of 8, gelu_output's `gelu_rows`: S or padded) is copied
+  Each input that is not yet in the operand dtype with its rows (grad_output's padded to
+  whole groups of 8, hidden_state's `hidden_rows` and gelu_output's `gelu_rows`: S or
+  padded) is copied
   so (`staging.Cast`, zero rows past S), read once; grad_output's column sums (the bias
   gradient, of its values as given) come from the same read, as partial rows. Returns
   `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
   fc2_weight)`."""
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
   padded = padded_rows(problem.tokens)
-  rows = (padded, padded, gelu_rows, fc1_weight.shape[0], fc2_weight.shape[0])
+  rows = (padded, hidden_rows, gelu_rows, fc1_weight.shape[0], fc2_weight.shape[0])
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
     copy = x.dtype != operand or x_rows != x.shape[0]
