@@ -14,6 +14,7 @@ HIGHEST's contract (1e-5), and 2 u for the modes that round (TF32 u = 2^-11, f16
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import chex
@@ -263,5 +264,27 @@ def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, preci
   fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
   outs = jax.device_get(fn(*inputs))
   bounds.check_backward(outs, inputs, precision, f"split pre-GELU S={tokens}")
+  for a, b in zip(outs, jax.device_get(fn(*inputs))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("tokens", [333, 773, 2500])
+@pytest.mark.parametrize("precision", [F16, jax.lax.DotAlgorithmPreset.BF16_BF16_F32],
+                         ids=["fp32-f16", "fp32-bf16"])
+def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
+  """The pre-GELU product as XLA's dot and the staging pass of the GELU derivative (fp32
+  inputs; the tables take it at some S), beside the tables' other products: within bounds
+  and bitwise repeatable."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from vision_mlp_bwd.precision import canonicalize
+  from vision_mlp_bwd.problem import check_backward_args
+  tables = dataclasses.replace(backward_sm90.TABLES, pre_gelu={
+      **backward_sm90.TABLES.pre_gelu, "fp32_inputs": ((None, backward_sm90.XLA_DOT),)})
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  problem = check_backward_args(*inputs, canonicalize(precision))
+  assert tables.configs(problem)[0] is backward_sm90.XLA_DOT
+  fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
+  outs = jax.device_get(fn(*inputs))
+  bounds.check_backward(outs, inputs, precision, f"pre-GELU on XLA S={tokens}")
   for a, b in zip(outs, jax.device_get(fn(*inputs))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -210,13 +210,16 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
 
 
 @pytest.mark.transcendental
-@pytest.mark.parametrize("dtype, precision", [
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32), (jnp.bfloat16, None)],
-    ids=["fp32-f16", "bf16"])
-def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision):
+@pytest.mark.parametrize("dtype, precision, pre_gelu_on_xla", [
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, True), (jnp.bfloat16, None, False)],
+    ids=["fp32-f16", "fp32-f16-pre-gelu-on-xla", "bf16"])
+def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
+                                                  pre_gelu_on_xla):
   """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
-  staged operands (the fused product a jnp stand-in for the engine): every output within
-  its bound at an S not a multiple of 8, and no copy only to pad what only XLA reads."""
+  staged operands (the fused product a jnp stand-in for the engine, or on fp32 inputs
+  XLA's dot too, and the staging pass of the GELU derivative): every output within its
+  bound at an S not a multiple of 8, and no copy only to pad what only XLA reads."""
   monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
   staged, launch = [], mosaic_backward.staging.launch
 
@@ -226,7 +229,8 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision)
   monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   xla = {name: ((None, mosaic_backward.XLA_DOT),)
          for name in ("fp32_inputs", "sixteen_bit_inputs")}
-  tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla)
+  tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla,
+                               **({"pre_gelu": xla} if pre_gelu_on_xla else {}))
   tokens = 61
   inputs = helpers.backward_inputs(tokens, 128, 256, dtype=dtype)
   problem = _problem(tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16,
@@ -244,6 +248,8 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision)
   if dtype == jnp.float32:
     copies += [((tokens, 128), tokens), ((tokens, 256), 64), ((256, 128), 256),
                ((128, 256), 128)]
+  if pre_gelu_on_xla:   # then the GELU pass over XLA's product, into S rows
+    copies.append(((64, 256), tokens))
   assert staged == copies
 
 
@@ -252,6 +258,13 @@ def test_tf32_refuses_xla_dots():
   tables = dataclasses.replace(mosaic_backward.TABLES, weight_grads=xla)
   with pytest.raises(ValueError, match="TF32's unscaled products"):
     tables.configs(_problem(4096, mode=DotMode.TF32))
+
+
+def test_the_pre_gelu_product_on_xla_only_for_fp32_inputs():
+  xla = {"sixteen_bit_inputs": ((None, mosaic_backward.XLA_DOT),)}
+  tables = dataclasses.replace(mosaic_backward.TABLES, pre_gelu=xla)
+  with pytest.raises(ValueError, match="pre-GELU product on 16-bit inputs"):
+    tables.configs(_problem(512, jnp.bfloat16, DotMode.BF16))
 
 
 @pytest.mark.transcendental

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vision_mlp_bwd import precision
+from vision_mlp_bwd import precision, reference
 from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.shared import sum_in_order
 from vision_mlp_bwd.precision import DotMode
@@ -51,6 +51,36 @@ def test_cast_pads_rows_with_zeros_and_sums_the_columns(dtype, out_dtype):
   chex.assert_trees_all_equal(copy[:45], x.astype(out_dtype))
   chex.assert_trees_all_equal(copy[45:], jnp.zeros((3, 70), out_dtype))
   _assert_column_sums(sums, x)
+
+
+@pytest.mark.transcendental
+def test_cast_with_an_epilogue_applies_the_gelu_derivative_and_sums_the_values():
+  """The pass after XLA's pre-GELU product: gelu'(operand) times x in fp32 (operand rows
+  past its own read as zeros), stored in f16 with fewer rows than x, and the fp32 column
+  sums of the stored rows' values. Against float64: each value is off by x's magnitude
+  times the derivative's error (bounds.GELU_GRAD_ERROR) plus two fp32 roundings, then by
+  the f16 rounding (u = 2^-11, or half the smallest subnormal, 2^-25); the sums add
+  gamma_R of the values' magnitudes (Higham, eq. 4.4)."""
+  keys = jax.random.split(helpers.fresh_key())
+  x = jax.random.normal(keys[0], (45, 70)) * 30   # ragged tiles both ways
+  operand = jax.random.normal(keys[1], (43, 70)) * 3
+  job = staging.Cast(x.shape, jnp.dtype(jnp.float16), rows=44, sums=True, block=(8, 32),
+                     epilogue=reference.gelu_backward)
+  poisoned = jnp.full((44, 70), jnp.nan, jnp.float16)
+  [(copy, sums)] = staging.grouped_launch([job], [(x, operand)], mode=DotMode.F16,
+                                          out=poisoned, interpret=True)
+  chex.assert_shape(copy, (44, 70))
+  chex.assert_type(copy, jnp.float16)
+  x64 = np.asarray(x, np.float64)[:44]
+  derivative = bounds.gelu_grad64(np.pad(np.asarray(operand, np.float64), ((0, 1), (0, 0))))
+  exact = x64 * derivative
+  value_bound = np.abs(x64) * bounds.GELU_GRAD_ERROR + 2 * bounds.U32 * np.abs(exact)
+  copy_bound = (value_bound + bounds.U_F16 * (np.abs(exact) + value_bound)
+                + 2.0 ** -25)
+  assert np.all(np.abs(np.asarray(copy, np.float64) - exact) <= copy_bound)
+  sums_bound = value_bound.sum(0) + bounds.gamma(44) * (np.abs(exact) + value_bound).sum(0)
+  assert sums.shape == (70,) and sums.dtype == jnp.float32
+  assert np.all(np.abs(np.asarray(sums, np.float64) - exact.sum(0)) <= sums_bound)
 
 
 def test_cast_without_a_copy_returns_the_column_sums_alone():

@@ -58,8 +58,12 @@ class Cast:
     the maxima a `Cast` or the engine's epilogue leaves, one row per part) and
     reduces itself; it also returns the reciprocal scales (`[C]`, or `[rows]`
     with zeros past R), which the engine multiplies its accumulators by. With
-    `rows` (>= R) a copy has that many rows, zeros past x's (the padded
-    operands of the Mosaic engine).
+    `rows` a copy has that many rows: zeros past x's (the padded operands of
+    the Mosaic engine), or x's first rows.
+  - `epilogue`: the pass is over `epilogue(x, operand)` (fp32) instead of x, with
+    `operand [R', C]` (R' <= R, rows past R' read as zeros) a second input: the
+    GELU derivative applied to a product XLA computed, as the engine's epilogue
+    applies it to its own (`reference.gelu_backward`).
   - `sums`: the fp32 sums of x's columns (a bias gradient).
   - `maxima`: the largest finite |x| of each column (`"columns"`) or each row
     (`"rows"`), as asked (NaN and Inf count as 0, `precision.finite_abs`): what
@@ -84,12 +88,13 @@ class Cast:
   finished: bool = True
   block: tuple[int, int] = (32, 256)
   parts: int = 64
+  epilogue: object = None
 
   aliases = {}
 
   @property
   def num_inputs(self) -> int:
-    return 1 + len(self.scales)
+    return 1 + len(self.scales) + (self.epilogue is not None)
 
   @property
   def copies(self) -> int:
@@ -97,7 +102,7 @@ class Cast:
 
   @property
   def out_rows(self) -> int:
-    return max(self.rows, self.shape[0]) if self.copies else self.shape[0]
+    return (self.rows or self.shape[0]) if self.copies else self.shape[0]
 
   @property
   def steps(self) -> int:
@@ -126,6 +131,10 @@ class Cast:
       assert kind in ("columns", "rows") and maxima.ndim == 2 and maxima.shape[1] == (
           c if kind == "columns" else r), (self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
+    if self.epilogue is not None:
+      operand = operands[-1]
+      assert not self.scales and operand.ndim == 2 and operand.shape[0] <= r and (
+          operand.shape[1] == c), (self, operand.shape)
     assert len(set(self.maxima)) == len(self.maxima) and set(self.maxima) <= {
         "columns", "rows"}, self
     assert self.num_outputs, self
@@ -163,8 +172,12 @@ class Cast:
     def step(s, carry):
       total, largest = carry
       rows, row_mask = span(band * self.steps + s, block_rows, self.out_rows)
-      in_x = rows < r
+      in_x = rows < min(r, self.out_rows)
       x = load_tile(in_refs[0], rows, in_x, cols, col_mask)   # zeros past R
+      if self.epilogue is not None:
+        operand_ref = in_refs[-1]
+        x = self.epilogue(x, load_tile(operand_ref, rows, rows < operand_ref.shape[0], cols,
+                                       col_mask))
       index, mask = tile_indices(rows, row_mask, cols, col_mask)
       for i, copy_ref in enumerate(copy_refs):
         if not self.scales:

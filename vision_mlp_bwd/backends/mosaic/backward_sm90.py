@@ -69,9 +69,10 @@ SCALED_COPY_PARTS = 16
 
 @dataclasses.dataclass(frozen=True)
 class XlaDot:
-  """A plain product (the input or a weight gradient) as XLA's dot of the staged 16-bit
-  operands, where that measured faster than the engine (on the H200 XLA runs it on
-  cuBLAS); the config file writes it "xla". The same products, fp32 accumulation."""
+  """A product as XLA's dot of the staged 16-bit operands, where that measured faster than
+  the engine (on the H200 XLA runs it on cuBLAS); the config file writes it "xla". The
+  same products, fp32 accumulation; the pre-GELU product's GELU derivative then runs in
+  a staging pass (fp32 inputs only)."""
 
 
 XLA_DOT = XlaDot()
@@ -82,11 +83,11 @@ Product = engine.GemmConfig | XlaDot
 class Tables:
   """How each product runs, by S: (largest S or None, GemmConfig or XLA_DOT) rows.
 
-  `pre_gelu`: grad_output @ fc2_weight with the fused epilogue (always the
-  engine); `rows`: the input gradient (M = S); `weight_grads`: the two products
-  over S."""
+  `pre_gelu`: grad_output @ fc2_weight with the fused epilogue (the engine, or XLA's
+  dot and a staging pass on fp32 inputs); `rows`: the input gradient (M = S);
+  `weight_grads`: the two products over S."""
 
-  pre_gelu: dict[str, tuple[tuple[int | None, engine.GemmConfig], ...]]
+  pre_gelu: dict[str, tuple[tuple[int | None, Product], ...]]
   rows: dict[str, tuple[tuple[int | None, Product], ...]]
   weight_grads: dict[str, tuple[tuple[int | None, Product], ...]]
   routing: dict
@@ -121,10 +122,11 @@ class Tables:
       inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
     configs = tuple(self.config_for(table, inputs, problem.tokens)
                     for table in (self.pre_gelu, self.rows, self.weight_grads))
-    if XLA_DOT in configs and (problem.mode == DotMode.TF32 or configs[0] is XLA_DOT):
+    if XLA_DOT in configs and (problem.mode == DotMode.TF32 or (
+        configs[0] is XLA_DOT and inputs != "fp32_inputs")):
       raise ValueError(f"the {inputs} tables give XLA's dot at S={problem.tokens} where only "
-                       f"the engine runs: the fused pre-GELU product, and TF32's unscaled "
-                       f"products")
+                       f"the engine runs: TF32's unscaled products, and the pre-GELU product "
+                       f"on 16-bit inputs")
     return configs
 
 
@@ -160,14 +162,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
   grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
                                  weight_config, problem)
-  sixteen_bit = jnp.dtype(dtype).itemsize == 2
-  pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
-              else reference.gelu_backward)
-  grad_pre16, fc1_bias_parts = engine.matmul(
-      grad_out16, w2, out_dtype=operand, config=pre_config,
-      epilogue=pre_gelu, epilogue_operand=fc1_output,
-      column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
-      partial_reductions=True, out_rows=pre_rows)
+  grad_pre16, fc1_bias_parts = _pre_gelu_grad(grad_out16, w2, fc1_output, pre_config,
+                                              problem, pre_rows, interpret)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
   grad_hidden_state = _input_grad(grad_pre16, w1, rows_config, problem)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
@@ -176,6 +172,31 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
+
+
+def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,
+                   out_rows: int, interpret: bool):
+  """The pre-GELU gradient in the operand dtype with `out_rows` rows, and its bias
+  gradient's partial sums: the engine's product with the GELU derivative in its epilogue,
+  or (XLA_DOT, fp32 inputs) XLA's fp32 product and one staging pass that applies the
+  derivative, stores the 16-bit copy and sums the fp32 columns."""
+  dtype, operand = problem.dtype, problem.mode.operand_dtype
+  if config is XLA_DOT:
+    product = reference.input_grad(grad_out16, fc2_weight16, problem.mode)   # rows x weight
+    (pass_out,) = staging.launch(
+        [(staging.Cast(product.shape, jnp.dtype(operand), rows=out_rows, sums=True,
+                       finished=False, epilogue=reference.gelu_backward),
+          (product, fc1_output))],
+        mode=problem.mode, interpret=interpret, name="mlp_backward_pre_gelu")
+    return pass_out
+  sixteen_bit = jnp.dtype(dtype).itemsize == 2
+  pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
+              else reference.gelu_backward)
+  return engine.matmul(
+      grad_out16, fc2_weight16, out_dtype=operand, config=config,
+      epilogue=pre_gelu, epilogue_operand=fc1_output,
+      column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
+      partial_reductions=True, out_rows=out_rows)
 
 
 def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
