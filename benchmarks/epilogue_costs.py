@@ -43,6 +43,9 @@ def step_fn(step: str, tokens: int):
   table, epilogue, options = STEPS[step]
   inputs, out_dtype = TABLES[table]
   config = backward_sm90.TABLES.config_for(backward_sm90.TABLES.pre_gelu, inputs, tokens)
+  if config is backward_sm90.XLA_DOT:
+    raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
+                     "with no engine epilogue to time")
   options = dict(options)
   scaled = options.pop("scaled", False)
 

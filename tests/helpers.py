@@ -141,11 +141,16 @@ def recorded_commit(path):
 
 
 def split_pre_gelu_tables(tables):
-  """Mosaic `tables` with every pre-GELU row's last wave split along K (tail_splits 8; 3
-  stages on 16-bit inputs, where the K-parts' partials take a buffer of their own), as the
-  H200 tables split it only at some S."""
-  split = lambda name, c: dataclasses.replace(
-      c, tail_splits=8, **({"stages": 3} if name == "sixteen_bit_inputs" else {}))
+  """Mosaic `tables` with every pre-GELU row on the engine, its last wave split along K
+  (tail_splits 8; 3 stages on 16-bit inputs, where the K-parts' partials take a buffer of
+  their own), as the H200 tables split it only at some S. Rows that run XLA's dot take the
+  table's first engine config."""
+  from vision_mlp_bwd.backends.mosaic.backward_sm90 import XLA_DOT
+
+  def split(name, rows):
+    first = next(c for _, c in rows if c is not XLA_DOT)
+    return tuple((bound, dataclasses.replace(
+        first if c is XLA_DOT else c, tail_splits=8,
+        **({"stages": 3} if name == "sixteen_bit_inputs" else {}))) for bound, c in rows)
   return dataclasses.replace(tables, pre_gelu={
-      name: tuple((bound, split(name, c)) for bound, c in rows)
-      for name, rows in tables.pre_gelu.items()})
+      name: split(name, rows) for name, rows in tables.pre_gelu.items()})

@@ -39,7 +39,7 @@ TABLE_MODES = [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16),
                (jnp.float32, DotMode.TF32)]
 LOWERING_CASES = [*((2500, *m) for m in MODES),
                   *((tokens, *m) for tokens in (7, 8192) for m in TABLE_MODES),
-                  (1163, jnp.float32, DotMode.F16)]   # the fused product's split last wave
+                  (1163, jnp.float32, DotMode.F16)]   # the pre-GELU product as XLA's dot
 
 
 @needs_lowering
@@ -54,15 +54,15 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
   assert [(o.shape, o.dtype) for o in lowered.out_info] == [
       ((tokens, H), dtype), ((I, H), dtype), ((I,), dtype), ((H, I), dtype), ((H,), dtype)]
   text = lowered.as_text()
-  _, rows, weights = mosaic_backward.TABLES.configs(problem)
-  on_xla = (rows is mosaic_backward.XLA_DOT) + 2 * (weights is mosaic_backward.XLA_DOT)
+  pre, rows, weights = mosaic_backward.TABLES.configs(problem)
+  on_xla = ((pre is mosaic_backward.XLA_DOT) + (rows is mosaic_backward.XLA_DOT)
+            + 2 * (weights is mosaic_backward.XLA_DOT))
   assert text.count("mosaic_gpu") >= 4 - on_xla, "expected the engine's products"
   assert text.count("stablehlo.dot_general") == on_xla, "the tables' XLA dots, and no other"
   if rows is mosaic_backward.XLA_DOT and weights is mosaic_backward.XLA_DOT:
     assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
-  pre = mosaic_backward.TABLES.configs(problem)[0]
-  split = mosaic_backward.engine.schedule(padded_rows(tokens), I, H, pre,
-                                         mosaic_backward.engine.num_sms()).splits > 1
+  split = pre is not mosaic_backward.XLA_DOT and mosaic_backward.engine.schedule(
+      padded_rows(tokens), I, H, pre, mosaic_backward.engine.num_sms()).splits > 1
   assert ("engine_fused_tails" in text) == split, "TailEpilogue exactly where the tables split"
 
 

@@ -65,6 +65,9 @@ CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
 # Bands of rows of a scaled copy (`staging.Cast.parts`): each band loads the partial
 # column maxima once, so fewer bands than a reduction's 64 (benchmarks/NOTES.md, 43).
 SCALED_COPY_PARTS = 16
+# The tiles of the GELU pass after XLA's pre-GELU product: the fastest of 7 tilings and
+# warp counts on the H200 at S = 773, 1423 and 4096 (benchmarks/NOTES.md, 50).
+PRE_GELU_PASS_BLOCK = (16, 256)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +188,8 @@ def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, proble
     product = reference.input_grad(grad_out16, fc2_weight16, problem.mode)   # rows x weight
     (pass_out,) = staging.launch(
         [(staging.Cast(product.shape, jnp.dtype(operand), rows=out_rows, sums=True,
-                       finished=False, epilogue=reference.gelu_backward),
+                       finished=False, epilogue=reference.gelu_backward,
+                       block=PRE_GELU_PASS_BLOCK),
           (product, fc1_output))],
         mode=problem.mode, interpret=interpret, name="mlp_backward_pre_gelu")
     return pass_out
