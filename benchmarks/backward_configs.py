@@ -64,7 +64,6 @@ def main(argv=None):
   mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   hidden, intermediate = (int(v) for v in args.size.split("x"))
   entries = None if args.product == "staging" else getattr(tables, args.product)
-  table_rows = None if entries is None else tables.rows_for(entries, args.table)
   variants = [json.loads(text) for text in args.variants]
   interpret = jax.default_backend() != "gpu"   # the staging launches off a GPU (the tests)
   rows = []
@@ -78,7 +77,9 @@ def main(argv=None):
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
       else:
-        varied = tuple((bound, _varied(config, fields)) for bound, config in table_rows)
+        # The variant replaces the config this S runs (one row for every S).
+        config = backward_sm90.Tables.config_for(entries, args.table, tokens)
+        varied = ((None, _varied(config, fields)),)
         replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
         launch = staging.launch
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
