@@ -79,7 +79,11 @@ def main(argv=None):
       else:
         # The variant replaces the config this S runs (one row for every S).
         config = backward_sm90.Tables.config_for(entries, args.table, tokens)
-        varied = ((None, _varied(config, fields)),)
+        try:
+          varied = ((None, _varied(config, fields)),)
+        except ValueError as refused:   # fields that do not combine with this S's row
+          print(f"S={tokens} {variant}: {refused}", flush=True)
+          continue
         replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
         launch = staging.launch
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(

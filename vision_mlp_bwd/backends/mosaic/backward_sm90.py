@@ -15,7 +15,9 @@ bias gradient: of the fp32 values on fp32 inputs, of the stored values on
 input dtype, as `jnp.matmul` returns it. Numerically it is the XLA backward
 with another fp32 accumulation order. The three plain products run on the
 engine or, where the tables say so (`XLA_DOT`: cuBLAS measured faster on the
-H200), as XLA's dot of the same staged operands.
+H200), as XLA's dot of the same staged operands; so may the first on fp32
+inputs, its epilogue's work then one staging pass over XLA's fp32 product
+(the same arithmetic, in Triton's exact exp and division).
 
 TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 `precision.py`'s power-of-two scaling: each operand is scaled along the
