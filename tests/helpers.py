@@ -6,7 +6,6 @@ model and the chex check against it are in `tests/bounds.py`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 
@@ -138,19 +137,3 @@ def recorded_commit(path):
     return None
   commit = record.get("meta", {}).get("git_commit") or record.get("commit")
   return None if commit in (None, "unknown") else commit
-
-
-def split_pre_gelu_tables(tables):
-  """Mosaic `tables` with every pre-GELU row on the engine, its last wave split along K
-  (tail_splits 8; 3 stages on 16-bit inputs, where the K-parts' partials take a buffer of
-  their own), as the H200 tables split it only at some S. Rows that run XLA's dot take the
-  table's first engine config."""
-  from vision_mlp_bwd.backends.mosaic.backward_sm90 import XLA_DOT
-
-  def split(name, rows):
-    first = next(c for _, c in rows if c is not XLA_DOT)
-    return tuple((bound, dataclasses.replace(
-        first if c is XLA_DOT else c, tail_splits=8,
-        **({"stages": 3} if name == "sixteen_bit_inputs" else {}))) for bound, c in rows)
-  return dataclasses.replace(tables, pre_gelu={
-      name: split(name, rows) for name, rows in tables.pre_gelu.items()})

@@ -72,6 +72,9 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.matmul(a16, jax.ShapeDtypeStruct((128, 64), jnp.float16), epilogue=gelu,
                   epilogue_operand=jax.ShapeDtypeStruct((72, 64), jnp.float32))
   b16 = jax.ShapeDtypeStruct((128, 64), jnp.float16)
+  with pytest.raises(ValueError, match="a fused epilogue runs whole blocks only"):
+    engine.matmul(a16, b16, config=engine.GemmConfig(tile_n=64, tail_splits=2), epilogue=gelu,
+                  epilogue_operand=jax.ShapeDtypeStruct((64, 64), jnp.float32))
   with pytest.raises(ValueError, match="line_maxima are an epilogue's"):
     engine.matmul(a16, b16, line_maxima=True)
   with pytest.raises(ValueError, match="row_scale and col_scale together"):

@@ -241,33 +241,6 @@ def test_mosaic_backend_model_sizes(hidden, intermediate):
                         f"mosaic {hidden}x{intermediate}")
 
 
-@pytest.mark.parametrize("tokens", [773, 1163, 2500])
-@pytest.mark.parametrize("dtype, precision", [(jnp.float32, F16), (jnp.float32, None),
-                                              (jnp.bfloat16, None)],
-                         ids=["fp32-f16", "fp32-default", "bf16"])
-def test_mosaic_split_pre_gelu_within_bounds_and_repeatable(tokens, dtype, precision):
-  """The fused pre-GELU product with its last wave split along K in every table (the tables
-  split it only on fp32 inputs under F16 and BF16, at S = 997-1163): staging.TailEpilogue
-  finishes the K-parts, their fp32 partials through the fp32 operand's tile (F16), the fp32
-  output's buffers (DEFAULT) or a buffer of their own (bf16 inputs, 3 stages to fit); within
-  bounds and bitwise repeatable."""
-  from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
-  from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
-  from vision_mlp_bwd.precision import canonicalize
-  from vision_mlp_bwd.problem import check_backward_args
-  tables = helpers.split_pre_gelu_tables(backward_sm90.TABLES)
-  inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
-  problem = check_backward_args(*inputs, canonicalize(precision))
-  plan = engine.schedule(padded_rows(tokens), 3584, 1280, tables.configs(problem)[0],
-                         engine.num_sms())
-  assert plan.splits > 1, plan
-  fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
-  outs = jax.device_get(fn(*inputs))
-  bounds.check_backward(outs, inputs, precision, f"split pre-GELU S={tokens}")
-  for a, b in zip(outs, jax.device_get(fn(*inputs))):
-    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-
-
 @pytest.mark.parametrize("tokens", [333, 773, 2500])
 @pytest.mark.parametrize("precision", [F16, jax.lax.DotAlgorithmPreset.BF16_BF16_F32],
                          ids=["fp32-f16", "fp32-bf16"])

@@ -4,16 +4,16 @@
 concatenation of their programs, each program runs the body of the job it
 belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
 plain or scaled by powers of two per column or row, with zero rows
-appended, and its column sums and line maxima on the way), `TailSum` (a
-split product's last blocks summed in place), `TailEpilogue` (the same for a
-product with a fused epilogue, which it applies), `SumRows` (partial sums added
-in order), `Zeros` (arrival counters),
+appended, its column sums and line maxima on the way, or the same over an
+elementwise epilogue of it), `TailSum` (a split product's last blocks summed
+in place), `SumRows` (partial sums added in order), `Zeros` (arrival
+counters),
 `Scales` (the Triton backend's TF32 staging: the largest magnitudes along
 one axis, and in the same program the f16 copy scaled by them,
 `precision.f16_scale`), or one of the Triton backend's products
 (`backends/triton/kernels.py`). Both backends stage their operands with
 these jobs: the Mosaic backend's four products read what its staging
-launches write, and its split products end in a `TailSum` or `TailEpilogue`.
+launches write, and its split products end in a `TailSum`.
 
 Every load and store is masked, so any shape runs without reading or writing
 out of bounds. Sums never use float atomics: each row of tiles writes its own
@@ -348,13 +348,6 @@ class TailSum:
     return outs[0]
 
 
-def warpgroup_tile_lines(shape, block, warpgroup_tile):
-  """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
-  partial rows its epilogue's column reductions and its row maxima leave."""
-  (m, n), (bm, bn), (tm, tn) = shape, block, warpgroup_tile
-  return pl.cdiv(m, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
-
-
 def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
   """The `[in_rows, in_cols]` tile of a split block's K-parts (`TailSum`'s layout: the
   `splits` parts of tail block `block` one after another), added first to last."""
@@ -364,123 +357,6 @@ def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
                             in_cols[None, :]])
     total = x if total is None else total + x
   return total
-
-
-@dataclasses.dataclass(frozen=True)
-class TailEpilogue:
-  """A fused product's last blocks (the engine's last wave split along K, `engine.matmul`
-  with an epilogue): their K-parts added first to last, then the epilogue and its
-  reductions as the engine's applies them to its whole blocks, written in place. The
-  epilogue's exp and division here are Triton's exact ones, where the engine may use
-  the approximate instructions (`approx_math`).
-
-  Inputs: the product `out` (aliased), its fp32 K-parts (as `TailSum` takes them), the
-  epilogue operand `[M', N]` (rows past M' read as zeros, as TMA reads them), then the
-  partial reductions the engine leaves (aliased, each written where the engine would
-  write that warpgroup tile's): with `column_sums`, the sums `[R, N]` (one row per row
-  of warpgroup tiles) of the values as stored or unrounded; with `line_maxima`, the largest
-  |value| of each column `[R, N]` and each row `[C, M]` (one row per column of tiles),
-  NaN if any value is. A program covers `chunk` columns of one tile: a whole tile's
-  columns when it finds row maxima, a narrower strip otherwise (more programs).
-  """
-
-  shape: tuple[int, int]
-  out_dtype: jnp.dtype
-  block: tuple[int, int]
-  warpgroup_tile: tuple[int, int]   # the engine's tiles, each reduced by one warpgroup
-  grid_n: int
-  first: int
-  tail: int
-  splits: int
-  epilogue: object
-  rows: int            # M: the rows the K-parts and the row maxima cover
-  column_sums: str | None = None
-  line_maxima: bool = False
-
-  @property
-  def num_inputs(self) -> int:
-    return 3 + (self.column_sums is not None) + 2 * self.line_maxima
-
-  @property
-  def num_outputs(self) -> int:
-    return self.num_inputs - 2
-
-  @property
-  def aliases(self):
-    return {0: 0, **{3 + i: 1 + i for i in range(self.num_outputs - 1)}}
-
-  @property
-  def chunk(self) -> int:
-    return self.warpgroup_tile[1] if self.line_maxima else math.gcd(32, self.warpgroup_tile[1])
-
-  @property
-  def programs(self) -> int:
-    (bm, bn), tm = self.block, self.warpgroup_tile[0]
-    return self.tail * (bm // tm) * (bn // self.chunk)
-
-  def check(self, operands):
-    out, parts, operand, *reductions = operands
-    assert out.shape == tuple(self.shape) and out.dtype == self.out_dtype, (self, out)
-    assert parts.shape == (self.tail * self.splits * self.block[0], self.block[1]), (
-        self, parts.shape)
-    assert operand.ndim == 2 and operand.shape[1] == self.shape[1], (self, operand.shape)
-    assert len(operands) == self.num_inputs and parts.dtype == jnp.float32, (self, operands)
-    for x, like in zip(reductions, self.out_shapes(None)[1:]):
-      assert x.shape == like.shape and x.dtype == like.dtype, (self, x.shape, like)
-
-  def out_shapes(self, like):
-    n = self.shape[1]
-    tile_rows, tile_cols = warpgroup_tile_lines((self.rows, n), self.block,
-                                                self.warpgroup_tile)
-    shapes = [out_struct(tuple(self.shape), self.out_dtype, like)]
-    if self.column_sums is not None:
-      shapes.append(out_struct((tile_rows, n), jnp.float32, like))
-    if self.line_maxima:
-      shapes += [out_struct((tile_rows, n), jnp.float32, like),
-                 out_struct((tile_cols, self.rows), jnp.float32, like)]
-    return shapes
-
-  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del mode, interpret
-    (m, n), (bm, bn), (tm, tn), cn = self.shape, self.block, self.warpgroup_tile, self.chunk
-    parts, operand = in_refs[1], in_refs[2]
-    out, *reductions = out_refs
-    per_tile = tn // cn
-    per_block = (bm // tm) * (bn // tn) * per_tile
-    t, rest = program // per_block, program % per_block
-    tile_index, strip = rest // per_tile, rest % per_tile
-    tile_row, tile_col = tile_index // (bn // tn), tile_index % (bn // tn)
-    block_row, block_col = (self.first + t) // self.grid_n, (self.first + t) % self.grid_n
-    in_rows = tile_row * tm + jnp.arange(tm)
-    in_cols = tile_col * tn + strip * cn + jnp.arange(cn)
-    total = _sum_parts(parts, t, self.splits, bm, in_rows, in_cols)
-    rows, cols = block_row * bm + in_rows, block_col * bn + in_cols
-    x = load_tile(operand, rows, rows < operand.shape[0], cols, cols < n)
-    value = self.epilogue(total, x.astype(jnp.float32))
-    stored = value.astype(out.dtype)
-    index, mask = tile_indices(rows, rows < m, cols, cols < n)
-    plgpu.store(out.at[index], stored, mask=mask)
-    tile_row0, tile_col0 = block_row * bm + tile_row * tm, block_col * bn + tile_col * tn
-    if self.column_sums is not None:
-      summed = value if self.column_sums == "unrounded" else stored.astype(jnp.float32)
-      plgpu.store(reductions.pop(0).at[tile_row0 // tm, cols], jnp.sum(summed, axis=0),
-                  mask=cols < n)
-    if self.line_maxima:
-      magnitude = jnp.abs(value)
-      column_max, row_max = reductions
-      plgpu.store(column_max.at[tile_row0 // tm, cols], _max_or_nan(magnitude, 0),
-                  mask=cols < n)
-      plgpu.store(row_max.at[tile_col0 // tn, rows], _max_or_nan(magnitude, 1),
-                  mask=rows < self.rows)
-
-  def finish(self, outs):
-    return tuple(outs)
-
-
-def _max_or_nan(x, axis):
-  """The largest element along `axis`, NaN where any is (as the engine's maxima)."""
-  nan = jnp.max(jnp.where(jnp.isnan(x), 1.0, 0.0), axis=axis) > 0
-  return jnp.where(nan, jnp.nan, jnp.max(x, axis=axis))
 
 
 @dataclasses.dataclass(frozen=True)

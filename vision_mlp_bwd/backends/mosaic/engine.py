@@ -32,10 +32,9 @@ writes the output's last r blocks in place.
 A fused epilogue (`epilogue=fn`) stores `fn(acc, X tile)` instead of the
 accumulator, `X` an `[M, N]` array read by TMA while the block's MMAs run
 (the backward's `(grad_output @ fc2_weight) * gelu'(fc1_output)`). `fn` needs
-the whole sum, so the K-parts of a split last wave store only their fp32
-partials (see `_partials_buffer` for the shared memory they go through), and
-one more launch (a `staging.TailEpilogue` job) adds them, applies `fn` and the
-reductions below, and writes those blocks. It can also return
+the whole sum, so a fused product runs whole blocks only (`tail_splits=1`:
+its split last wave, finished by one more launch, lost on the H200 where it
+was measured; benchmarks/NOTES.md, 48-50). It can also return
 the column sums of what it computes (a bias gradient, as CUTLASS's
 `LinCombDeEltActDePerRowBias` does): each warpgroup tile's sums go to one row
 of a workspace, whose rows XLA adds in a fixed order. With `line_maxima` it
@@ -143,7 +142,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   buffers.append(2 * slots * epi_m * epi_n * out_bytes)
-  if split_tail and _partials_buffer(out_dtype, epilogue_dtype) == "own":   # one per warpgroup
+  if split_tail and _partials_buffer(out_dtype) == "own":   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
@@ -220,15 +219,17 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
-def _partials_buffer(out_dtype, epilogue_dtype) -> str:
+def _warpgroup_tile_lines(shape, block, warpgroup_tile):
+  """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
+  partial rows its epilogue's column reductions and its row maxima leave."""
+  (m, n), (bm, bn), (tm, tn) = shape, block, warpgroup_tile
+  return pl.cdiv(m, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
+
+
+def _partials_buffer(out_dtype) -> str:
   """Where a K-part's fp32 partial tile goes through shared memory: the output's epilogue
-  buffers when they are fp32, else the fused epilogue's operand tile when that is fp32
-  (K-parts have no epilogue), else a buffer of its own."""
-  if jnp.dtype(out_dtype) == jnp.float32:
-    return "out"
-  if epilogue_dtype is not None and jnp.dtype(epilogue_dtype) == jnp.float32:
-    return "operand"
-  return "own"
+  buffers when they are fp32, else a buffer of its own."""
+  return "out" if jnp.dtype(out_dtype) == jnp.float32 else "own"
 
 
 def num_sms() -> int:
@@ -257,8 +258,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch); a fused product's split blocks are finished here, by one more launch.
-  With `out_rows` (<= M), the output keeps only its first `out_rows` rows (TMA drops
+  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows` rows (TMA drops
   the stores past them: an S-row input gradient from a product over operands padded to
   whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
@@ -292,6 +292,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                          f"float32 [{size}].")
   if out_rows is not None and not 0 < out_rows <= m:
     raise ValueError(f"matmul: out_rows={out_rows}; expected 1 <= out_rows <= M = {m}.")
+  if epilogue is not None and config.tail_splits > 1:
+    raise ValueError(f"matmul: a fused epilogue runs whole blocks only; {config} splits the "
+                     "last wave (tail_splits must be 1).")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
         epilogue_operand.shape[0] > m):
@@ -312,8 +315,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
-  sum_rows, max_rows = staging.warpgroup_tile_lines((m, n), config.block,
-                                                    (config.tile_m, config.tile_n))
+  sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
+                                             (config.tile_m, config.tile_n))
   if column_sums:   # one row per row of warpgroup tiles
     out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
@@ -329,15 +332,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
-  if epilogue is not None and plan.splits > 1:   # the K-parts added, then the epilogue
-    *outs, partials = outs
-    job = staging.TailEpilogue(
-        outs[0].shape, outs[0].dtype, config.block, (config.tile_m, config.tile_n),
-        plan.grid_mn[1], plan.whole, plan.tail, plan.splits, epilogue, m, column_sums,
-        line_maxima)
-    (outs,) = staging.launch(
-        [(job, (outs[0], partials.reshape(-1, block_n), epilogue_operand, *outs[1:]))],
-        mode=None, interpret=bool(interpret), name="engine_fused_tails")
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -345,7 +339,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
     maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
     return (outs[0], *sums, *maxima)
-  if plan.splits == 1 or epilogue is not None:
+  if plan.splits == 1:
     return outs[0]
   split = SplitProduct(outs[0], outs[1].reshape(-1, config.block[1]),
                        _tail_job(outs[0], plan, config.block))
@@ -403,10 +397,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   slots = min(config.epilogue_buffers, pieces)
 
   partial_dtype = jnp.float32
-  partials_buffer = _partials_buffer(out_dtype, None if epilogue is None else operand_gmem.dtype)
-  separate_partial_smem = bool(partial_gmem) and partials_buffer == "own"
+  separate_partial_smem = bool(partial_gmem) and _partials_buffer(out_dtype) == "own"
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
-  # of a 16-bit product without an fp32 epilogue operand get one buffer each, at
+  # of a 16-bit product get one buffer each, at
   # least 32 columns wide (a 128-byte swizzle), so the two epilogues fit beside
   # the operand ring.
   epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
@@ -491,20 +484,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         out = partial_gmem[0].at[partial_index, pl.ds(partial_origin[0], tile_m),
                                  pl.ds(partial_origin[1], tile_n)]
         smem = partial_smem if separate_partial_smem else out_smem
-        if partials_buffer == "operand":
-          # The whole tile at once through the operand's buffer, free in a K-part; stored
-          # before the buffer's next load.
-          operand_smem[wg] = value
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(operand_smem.at[wg], out)
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          return
-      if epilogue is not None and partial_index is None:
+      if epilogue is not None:   # (whole blocks only: K-parts have no epilogue)
         plgpu.barrier_wait(operand_arrived.at[wg])
         value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       acc = value.astype(smem.dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
-      if reduces_columns and partial_index is None:
+      if reduces_columns:
         plgpu.barrier_wait(reduction_turn.at[wg])
         if sums_gmem is not None:
           sums_smem[wg] = jnp.sum(
