@@ -258,9 +258,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows` rows (TMA drops
-  the stores past them: an S-row input gradient from a product over operands padded to
-  whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
+  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
+  rows (TMA drops the stores past them: an S-row gradient from a product over operands
+  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -398,10 +398,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
 
   partial_dtype = jnp.float32
   separate_partial_smem = bool(partial_gmem) and _partials_buffer(out_dtype) == "own"
-  # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials
-  # of a 16-bit product get one buffer each, at
-  # least 32 columns wide (a 128-byte swizzle), so the two epilogues fit beside
-  # the operand ring.
+  # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials of a
+  # 16-bit product get one buffer each, at least 32 columns wide (a 128-byte swizzle),
+  # so the two epilogues fit beside the operand ring.
   epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
       (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype, rows))
   out_tile_rows = 8 if out_gmem.shape[0] % 8 == 0 else 1   # TMA reaches a ragged output
