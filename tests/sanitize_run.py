@@ -10,8 +10,9 @@
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
 the f16 engine) and under F16_F16_F32, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`). XLA's autotuning of its dots under memcheck takes minutes at S ~ 1000:
-turning it off (above) changes which cuBLAS kernels run, not our kernels.
+`fp32-default`, `fp32-f16`, `bf16`). XLA's autotuning of its dots under memcheck
+takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
+run, not our kernels.
 """
 
 import argparse
@@ -33,13 +34,10 @@ parser.add_argument("seq_lens", type=int, nargs="*", default=[1, 131, 293])
 parser.add_argument("--implementation", choices=list(IMPLEMENTATIONS), default="triton")
 parser.add_argument("--runs", nargs="+", choices=list(RUNS))
 args = parser.parse_args()
-
-
 for tokens in args.seq_lens:
   for run in args.runs or IMPLEMENTATIONS[args.implementation]:
     dtype, precision = RUNS[run]
     inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
-    fn = lambda *a: vision_mlp_bwd.mlp_backward(*a, precision=precision,
-                                                implementation=args.implementation)
-    jax.block_until_ready(fn(*inputs))
+    jax.block_until_ready(vision_mlp_bwd.mlp_backward(*inputs, precision=precision,
+                                                      implementation=args.implementation))
     print(f"S={tokens} {jnp.dtype(dtype).name} {precision}: ran", flush=True)

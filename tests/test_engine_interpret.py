@@ -106,11 +106,12 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
 @pytest.mark.parametrize("case", EPILOGUE_REDUCTIONS)
 def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   """The fused epilogue's column sums, the two compute warpgroups taking turns: over 2 x 2
-  blocks on 3 programs (so one program runs two blocks). "unrounded" sums the fp32 values: each within its float64
-  bound, plus fp32 summation of M terms; "stored" sums the bf16 values stored, within fp32
-  summation of M terms of the stored output itself. With "unrounded", also the line maxima: the largest
-  |fp32 value| of each column and row is within the largest element bound of that line of
-  the float64 maximum (a maximum moves by at most its elements' largest error)."""
+  blocks on 3 programs (so one program runs two blocks). "unrounded" sums the fp32
+  values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
+  the bf16 values stored, within fp32 summation of M terms of the stored output itself.
+  With "unrounded", also the line maxima: the largest |fp32 value| of each column and row
+  is within the largest element bound of that line of the float64 maximum (a maximum
+  moves by at most its elements' largest error)."""
   m, k, n, programs, config, column_sums, operand_dtype, out_dtype = EPILOGUE_REDUCTIONS[case]
   keys = jax.random.split(jax.random.key(7 + len(case)), 3)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
