@@ -174,3 +174,43 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound():
   error = np.abs(np.asarray(out, np.float64) - exact)
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
 
+
+
+@pytest.mark.parametrize("chained", [False, True], ids=["unchained", "chained"])
+def test_copies_between_the_mmas_in_interpret_mode(chained):
+  """`copies`: arrays copied to the operand dtype by the compute warpgroups between their
+  MMAs, spread over every program's steps: 256- and 128-column row pieces, more pieces
+  than steps (several per step), rows past a source's end written as zeros. Each copy is
+  bitwise the source's rounding (unwritten elements read as NaN in the interpreter and
+  fail), and the product beside it stays within its bound."""
+  m, k, n, programs = 256, 256, 256, 2
+  config = C(tile_n=64, stages=2, chained=chained)
+  keys = jax.random.split(jax.random.key(5 + chained), 4)
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  wide = jax.random.normal(keys[2], (45, 512), jnp.float32) * 100
+  narrow = jax.random.normal(keys[3], (7, 384), jnp.float32)
+  plan = engine.schedule(m, n, k, config, programs)
+  copies = engine.plan_copies(plan, [(wide.shape, 48), (narrow.shape, 8)])
+  assert [(c.piece, c.per_step > 1) for c in copies] == [(256, True), (128, False)]
+  out, (wide16, narrow16) = engine.matmul(
+      a, b, config=config, num_programs=programs, copies=((wide, 48), (narrow, 8)),
+      interpret=interpret_params.InterpretGPUParams())
+  for x, copy, rows in ((wide, wide16, 48), (narrow, narrow16, 8)):
+    assert copy.shape == (rows, x.shape[1]) and copy.dtype == jnp.bfloat16
+    expected = np.zeros((rows, x.shape[1]), np.float32)
+    expected[:x.shape[0]] = np.asarray(x.astype(jnp.bfloat16), np.float32)
+    np.testing.assert_array_equal(np.asarray(copy, np.float32), expected)
+  exact, bound = _exact_and_bound(a, b, None, jnp.float32)
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
+
+
+def test_copies_need_a_whole_block_per_program_and_whole_pieces():
+  a = jnp.zeros((128, 128), jnp.bfloat16)
+  b = jnp.zeros((128, 256), jnp.bfloat16)   # 2 blocks
+  with pytest.raises(ValueError, match="a whole block per program"):
+    engine.matmul(a, b, config=C(tile_n=64, stages=2), num_programs=3,
+                  copies=((jnp.zeros((8, 256)), 8),))
+  with pytest.raises(ValueError, match="multiple of 128"):
+    engine.matmul(a, b, config=C(tile_n=64, stages=2), num_programs=2,
+                  copies=((jnp.zeros((8, 200)), 8),))

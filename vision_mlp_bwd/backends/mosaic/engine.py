@@ -46,6 +46,17 @@ buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
+With `copies`, the compute warpgroups also copy other arrays to the
+operand dtype between their MMAs (after issuing a step's wgmma, before
+waiting for it): each step, each warpgroup loads a few row pieces (256 or
+128 columns) with plain vector loads, converts them and stores them, so the
+copies' HBM traffic runs beside a product that leaves bandwidth idle, in
+place of a staging pass before it (the fp32 inputs that only the later
+products read, on the fused pre-GELU product). Rows past a source's end are
+written as zeros. The pieces are spread over the steps that every program
+runs (its whole blocks), interleaved across programs so that the SMs sweep
+each array together.
+
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
 multiplied by them before the epilogue: that is how the TF32 products on the
@@ -100,6 +111,9 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
+  # The backward hands this product the 16-bit copies of the inputs only later products
+  # read, for its compute warpgroups to make between their MMAs (`matmul`'s `copies`).
+  carries_copies: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -123,6 +137,7 @@ BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
+COPY_THREADS = 128   # a warpgroup: each thread copies 1 or 2 columns of a row piece
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
@@ -219,6 +234,41 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
+@dataclasses.dataclass(frozen=True)
+class Copy:
+  """One array copied by a product's compute warpgroups (see the module docstring): the
+  source's shape, the copy's rows (zeros past the source's), the columns of a row piece
+  and the pieces each warpgroup copies per contraction step."""
+
+  shape: tuple[int, int]
+  rows: int
+  piece: int
+  per_step: int
+
+  @property
+  def pieces(self) -> int:
+    return self.rows * (self.shape[1] // self.piece)
+
+
+def copy_steps(plan: Schedule) -> int:
+  """Contraction steps that every program of `plan` runs over whole blocks: where copies go."""
+  return plan.whole // plan.programs * plan.whole_steps
+
+
+def plan_copies(plan: Schedule, shapes_and_rows) -> tuple[Copy, ...] | None:
+  """Copies of arrays of these `(shape, rows)` spread over `plan`'s steps, or None where it
+  has none to spread them over (fewer whole blocks than programs) or a row is not whole
+  pieces (a multiple of 128 elements)."""
+  slots = copy_steps(plan) * 2 * plan.programs   # (step, warpgroup, program)
+  if not slots or any(shape[1] % COPY_THREADS for shape, _ in shapes_and_rows):
+    return None
+  copies = []
+  for shape, rows in shapes_and_rows:
+    piece = 2 * COPY_THREADS if shape[1] % (2 * COPY_THREADS) == 0 else COPY_THREADS
+    copies.append(Copy(tuple(shape), rows, piece, pl.cdiv(rows * (shape[1] // piece), slots)))
+  return tuple(copies)
+
+
 def _warpgroup_tile_lines(shape, block, warpgroup_tile):
   """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
   partial rows its epilogue's column reductions and its row maxima leave."""
@@ -242,7 +292,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
-           defer_tail: bool = False, out_rows: int | None = None, interpret=None):
+           defer_tail: bool = False, out_rows: int | None = None, copies=(),
+           interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -260,7 +311,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
   in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
   rows (TMA drops the stores past them: an S-row gradient from a product over operands
-  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
+  padded to whole groups of 8 rows, without a copy). `copies`: `(array, rows)` pairs, each
+  copied to the operand dtype with `rows` rows by the compute warpgroups (module
+  docstring); the product then returns `(result, copies)`. `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -309,11 +362,22 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
                      f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
                      "pieces fit).")
+  copy_plan = ()
+  if copies:
+    copy_plan = plan_copies(plan, [(x.shape, rows) for x, rows in copies])
+    bad = [f"{x.shape} {x.dtype} into {rows} rows" for x, rows in copies
+           if x.ndim != 2 or rows < x.shape[0]]
+    if copy_plan is None or bad:
+      raise ValueError(f"matmul: copies {bad or [x.shape for x, _ in copies]} need 2-D arrays "
+                       f"with rows a multiple of {COPY_THREADS} elements, into at least their "
+                       f"rows, and a product with a whole block per program ({plan.whole} "
+                       f"whole blocks for {plan.programs} programs).")
   block_m, block_n = config.block
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
-                             line_maxima=line_maxima)
+                             line_maxima=line_maxima, copies=copy_plan,
+                             interpreted=bool(interpret))
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
@@ -322,6 +386,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
     out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
                   jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
+  out_types += [jax.ShapeDtypeStruct((c.rows, c.shape[1]), a.dtype) for c in copy_plan]
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
@@ -331,7 +396,18 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
-  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
+  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
+    *(x for x, _ in copies))
+  outs = tuple(outs)
+  n_outs = len(outs) - len(copy_plan) - (plan.splits > 1)   # the copies come after these
+  result = _finish(outs[:n_outs] + outs[n_outs + len(copy_plan):], plan, config, column_sums,
+                   line_maxima, partial_reductions, defer_tail, interpret)
+  return (result, outs[n_outs:n_outs + len(copy_plan)]) if copy_plan else result
+
+
+def _finish(outs, plan, config, column_sums, line_maxima, partial_reductions, defer_tail,
+            interpret):
+  """`matmul`'s result from the kernel's outputs (its copies taken out)."""
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -380,13 +456,15 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool):
+            line_maxima: bool, copies: tuple[Copy, ...], interpreted: bool):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+  copy_sources = [refs.pop(0) for _ in copies]
   out_gmem = refs.pop(0)
   sums_gmem = refs.pop(0) if column_sums else None
   col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
+  copy_targets = [refs.pop(0) for _ in copies]
   partial_gmem = refs   # the split tail's fp32 partials, if any
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -544,9 +622,40 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
-    def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None):
+    program = lax.axis_index("program") if copies or config.chained else None
+    steps_with_copies = copy_steps(plan)
+
+    def copy_pieces(step):
+      """Warpgroup `wg`'s row pieces of the copies at this program's `step`-th contraction
+      step over whole blocks (module docstring): loads first, then the stores."""
+      loaded = []
+      for copy, source in zip(copies, copy_sources):
+        per_row = copy.shape[1] // copy.piece
+        for i in range(copy.per_step):
+          piece = ((step * 2 + wg) * plan.programs + program) * copy.per_step + i
+          row, col = piece // per_row, piece % per_row * copy.piece
+          read_row = jnp.minimum(row, copy.shape[0] - 1)   # past the source: any row
+          x = source[pl.ds(read_row, 1), pl.ds(col, copy.piece)]
+          if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
+            x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
+                (1, copy.piece), vec_size=copy.piece // COPY_THREADS))
+          loaded.append((row, col, copy, x))
+      for (row, col, copy, x), target in zip(loaded, [t for c, t in zip(copies, copy_targets)
+                                                      for _ in range(c.per_step)]):
+        piece = target.at[pl.ds(row, 1), pl.ds(col, copy.piece)]
+
+        @pl.when(row < copy.shape[0])
+        def _copy():
+          piece[...] = x.astype(target.dtype)
+
+        @pl.when((row >= copy.shape[0]) & (row < copy.rows))
+        def _zeros():
+          piece[...] = jnp.zeros((1, copy.piece), target.dtype)
+
+    def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None, first_step=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
-      the program's `seq`-th pipeline of a chained schedule."""
+      the program's `seq`-th pipeline of a chained schedule. `first_step`: the program's
+      steps before this block's, where it copies (whole blocks only)."""
       row0, col0 = bm * block_m + wg_row0, bn * block_n + wg_col0   # this warpgroup's tile
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
 
@@ -558,12 +667,18 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(_, a_smem, b_smem, acc_ref):
+      def mma(indices, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
+        if first_step is not None:   # the copies, while the MMAs run
+          step = first_step + indices[0]
+
+          @pl.when(step < steps_with_copies)
+          def _copies():
+            copy_pieces(step)
         plgpu.wgmma_wait(delay)
         return acc_ref
 
@@ -587,7 +702,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     chain, whole_here = (lambda seq: None), 0
     if config.chained:   # this program's pipelines: its whole blocks, then its K-parts
       START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
-      program, programs = lax.axis_index("program"), plan.programs
+      programs = plan.programs
       count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
       whole_here = count_here(plan.whole)
       pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
@@ -597,7 +712,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       @plgpu.nd_loop((plan.whole,), collective_axes="program")
       def _whole_blocks(loop):
         (index,) = loop.index
-        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index))
+        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index),
+                  first_step=loop.local_index * plan.whole_steps if copies else None)
     if partial_gmem:
       @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
       def _tail_parts(loop):
