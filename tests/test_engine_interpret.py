@@ -176,15 +176,17 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound():
 
 
 
-@pytest.mark.parametrize("chained", [False, True], ids=["unchained", "chained"])
-def test_copies_between_the_mmas_in_interpret_mode(chained):
+@pytest.mark.parametrize("chained, ahead", [(False, 1), (True, 2)],
+                         ids=["unchained, loaded a step ahead", "chained, 2 steps ahead"])
+def test_copies_between_the_mmas_in_interpret_mode(chained, ahead):
   """`copies`: arrays copied to the operand dtype by the compute warpgroups between their
   MMAs, spread over every program's steps: 256- and 128-column row pieces, more pieces
-  than steps (several per step), rows past a source's end written as zeros. Each copy is
-  bitwise the source's rounding (unwritten elements read as NaN in the interpreter and
-  fail), and the product beside it stays within its bound."""
-  m, k, n, programs = 256, 256, 256, 2
-  config = C(tile_n=64, stages=2, chained=chained)
+  than steps (several per step), rows past a source's end written as zeros, 4 blocks on 3
+  programs (one runs steps past those every program has, where nothing is stored). Each
+  copy is bitwise the source's rounding (unwritten elements read as NaN in the interpreter
+  and fail), and the product beside it stays within its bound."""
+  m, k, n, programs = 256, 256, 256, 3
+  config = C(tile_n=64, stages=2, chained=chained, copies_ahead=ahead)
   keys = jax.random.split(jax.random.key(5 + chained), 4)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)

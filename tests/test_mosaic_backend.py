@@ -277,7 +277,7 @@ def test_copies_carried_by_the_pre_gelu_product_within_bounds(monkeypatch, weigh
   monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   monkeypatch.setattr(mosaic_backward.engine, "matmul", recording_matmul)
   tokens = 61
-  pre = engine.GemmConfig(tile_n=64, stages=2, carries_copies=True)
+  pre = engine.GemmConfig(tile_n=64, stages=2, copies_ahead=1)
   xla = {"fp32_inputs": ((None, mosaic_backward.XLA_DOT),)}
   engine_rows = {"fp32_inputs": ((None, engine.GemmConfig(tile_n=64, stages=2)),)}
   tables = dataclasses.replace(mosaic_backward.TABLES, pre_gelu={"fp32_inputs": ((None, pre),)},

@@ -195,7 +195,7 @@ def _carried_copies(config: Product, candidates, problem: Problem) -> tuple[int,
   """Which of the `(index, shape, rows)` copies the pre-GELU product makes between its MMAs:
   all of them where its config carries copies and its schedule has steps for them (a
   whole block per program), else none (the staging launch makes them)."""
-  if config is XLA_DOT or not config.carries_copies or not candidates:
+  if config is XLA_DOT or not config.copies_ahead or not candidates:
     return ()
   plan = engine.schedule(padded_rows(problem.tokens), problem.intermediate, problem.hidden,
                          config, engine.num_sms())

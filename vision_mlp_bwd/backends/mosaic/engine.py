@@ -111,9 +111,10 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
-  # The backward hands this product the 16-bit copies of the inputs only later products
-  # read, for its compute warpgroups to make between their MMAs (`matmul`'s `copies`).
-  carries_copies: bool = False
+  # With `matmul`'s copies: how many steps before its store each piece is loaded (0: 1).
+  # The backward hands a product with copies_ahead > 0 the 16-bit copies of the inputs
+  # only later products read, to make between its MMAs.
+  copies_ahead: int = 0
 
   @property
   def block(self) -> tuple[int, int]:
@@ -623,25 +624,35 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
     program = lax.axis_index("program") if copies or config.chained else None
-    steps_with_copies = copy_steps(plan)
+    ahead = max(config.copies_ahead, 1)
 
-    def copy_pieces(step):
+    def piece_at(copy, step, i):
+      """(row, column) of warpgroup `wg`'s i-th piece of `copy` at this program's `step`."""
+      piece = ((step * 2 + wg) * plan.programs + program) * copy.per_step + i
+      per_row = copy.shape[1] // copy.piece
+      return piece // per_row, piece % per_row * copy.piece
+
+    def load_pieces(step):
       """Warpgroup `wg`'s row pieces of the copies at this program's `step`-th contraction
-      step over whole blocks (module docstring): loads first, then the stores."""
+      step over whole blocks (module docstring), loaded: a step before they are stored."""
       loaded = []
       for copy, source in zip(copies, copy_sources):
-        per_row = copy.shape[1] // copy.piece
         for i in range(copy.per_step):
-          piece = ((step * 2 + wg) * plan.programs + program) * copy.per_step + i
-          row, col = piece // per_row, piece % per_row * copy.piece
+          row, col = piece_at(copy, step, i)
           read_row = jnp.minimum(row, copy.shape[0] - 1)   # past the source: any row
           x = source[pl.ds(read_row, 1), pl.ds(col, copy.piece)]
           if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
             x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
                 (1, copy.piece), vec_size=copy.piece // COPY_THREADS))
-          loaded.append((row, col, copy, x))
-      for (row, col, copy, x), target in zip(loaded, [t for c, t in zip(copies, copy_targets)
-                                                      for _ in range(c.per_step)]):
+          loaded.append(x)
+      return tuple(loaded)
+
+    def store_pieces(step, loaded):
+      """Stores what `load_pieces(step)` loaded, converted, and zeros past the sources."""
+      pieces = [(copy, target, i) for copy, target in zip(copies, copy_targets)
+                for i in range(copy.per_step)]
+      for (copy, target, i), x in zip(pieces, loaded):
+        row, col = piece_at(copy, step, i)
         piece = target.at[pl.ds(row, 1), pl.ds(col, copy.piece)]
 
         @pl.when(row < copy.shape[0])
@@ -663,11 +674,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           start_tile(row0, col0, whole=partial_index is None)
-          run_pipeline(acc_ref)
+          # With copies, each step stores the pieces loaded `ahead` steps before (the first
+          # steps' here) and loads those `ahead` steps on, which the pipeline carries.
+          run_pipeline(acc_ref if first_step is None else (
+              acc_ref, tuple(load_pieces(first_step + j) for j in range(ahead))))
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(indices, a_smem, b_smem, acc_ref):
+      def mma(indices, a_smem, b_smem, carry):
+        acc_ref, loaded = carry if first_step is not None else (carry, None)
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
@@ -675,12 +690,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
         if first_step is not None:   # the copies, while the MMAs run
           step = first_step + indices[0]
-
-          @pl.when(step < steps_with_copies)
-          def _copies():
-            copy_pieces(step)
+          store_pieces(step, loaded[0])
+          carry = (acc_ref, (*loaded[1:], load_pieces(step + ahead)))
         plgpu.wgmma_wait(delay)
-        return acc_ref
+        return carry
 
       block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
       a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
