@@ -176,33 +176,37 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound():
 
 
 
-@pytest.mark.parametrize("chained, ahead", [(False, 1), (True, 2)],
-                         ids=["unchained, loaded a step ahead", "chained, 2 steps ahead"])
-def test_copies_between_the_mmas_in_interpret_mode(chained, ahead):
+@pytest.mark.parametrize("chained, programs", [(False, 2), (True, 3)],
+                         ids=["unchained, 2 programs", "chained, 3 programs"])
+def test_copies_between_the_mmas_in_interpret_mode(chained, programs):
   """`copies`: arrays copied to the operand dtype by the compute warpgroups between their
-  MMAs, spread over every program's steps: 256- and 128-column row pieces, more pieces
-  than steps (several per step), rows past a source's end written as zeros, 4 blocks on 3
-  programs (one runs steps past those every program has, where nothing is stored). Each
-  copy is bitwise the source's rounding (unwritten elements read as NaN in the interpreter
-  and fail), and the product beside it stays within its bound."""
-  m, k, n, programs = 256, 256, 256, 3
-  config = C(tile_n=64, stages=2, chained=chained, copies_ahead=ahead)
+  MMAs, spread over every program's steps in pieces of several rows of 256 or 128
+  columns, through shared memory by TMA; with fewer pieces than steps (steps with no
+  piece) and on 3 programs for 4 blocks (one runs steps past those every program has,
+  where nothing is copied). Each copy is bitwise the source's rounding (unwritten elements
+  read as NaN in the interpreter and fail), and the product beside it stays within its
+  bound. Pieces whole: the interpreter raises on TMA's reads past an array's end, which
+  fill a copy's padded rows with zeros on the GPU (tests/test_gpu.py)."""
+  m, k, n = 256, 256, 256
+  config = C(tile_n=64, stages=2, chained=chained)
   keys = jax.random.split(jax.random.key(5 + chained), 4)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
-  wide = jax.random.normal(keys[2], (45, 512), jnp.float32) * 100
-  narrow = jax.random.normal(keys[3], (7, 384), jnp.float32)
+  wide = jax.random.normal(keys[2], (16 * (6 - programs), 512), jnp.float32) * 100
+  narrow = jax.random.normal(keys[3], (8, 384), jnp.float32)
   plan = engine.schedule(m, n, k, config, programs)
-  copies = engine.plan_copies(plan, [(wide.shape, 48), (narrow.shape, 8)])
-  assert [(c.piece, c.per_step > 1) for c in copies] == [(256, True), (128, False)]
+  copies = engine.plan_copies(plan, [(wide.shape, wide.shape[0]), (narrow.shape, 8)],
+                              jnp.bfloat16, 2 ** 20)
+  assert [(c.piece_rows > 1, c.piece_cols) for c in copies] == [(True, 256), (False, 128)]
+  assert all(c.rows % c.piece_rows == 0 for c in copies)
   out, (wide16, narrow16) = engine.matmul(
-      a, b, config=config, num_programs=programs, copies=((wide, 48), (narrow, 8)),
+      a, b, config=config, num_programs=programs,
+      copies=((wide, wide.shape[0]), (narrow, 8)),
       interpret=interpret_params.InterpretGPUParams())
-  for x, copy, rows in ((wide, wide16, 48), (narrow, narrow16, 8)):
-    assert copy.shape == (rows, x.shape[1]) and copy.dtype == jnp.bfloat16
-    expected = np.zeros((rows, x.shape[1]), np.float32)
-    expected[:x.shape[0]] = np.asarray(x.astype(jnp.bfloat16), np.float32)
-    np.testing.assert_array_equal(np.asarray(copy, np.float32), expected)
+  for x, copy in ((wide, wide16), (narrow, narrow16)):
+    assert copy.shape == x.shape and copy.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(copy, np.float32),
+                                  np.asarray(x.astype(jnp.bfloat16), np.float32))
   exact, bound = _exact_and_bound(a, b, None, jnp.float32)
   assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
 

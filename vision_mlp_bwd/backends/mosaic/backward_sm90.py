@@ -165,8 +165,8 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   rows = (padded, pre_rows, problem.tokens if inputs_for_fc2_weight else padded,
           fc1_weight.shape[0], fc2_weight.shape[0])
   copied = [x.dtype != operand or r != x.shape[0] for x, r in zip(arrays, rows)]
-  carried = _carried_copies(pre_config, [(i, arrays[i].shape, rows[i]) for i in (1, 2, 3)
-                                         if copied[i]], problem)
+  carried = _carried_copies(pre_config, [(i, arrays[i].shape, rows[i]) for i in (2, 1, 3)
+                                         if copied[i]], problem)   # the largest first
   (grad_out16, fc2_bias_parts), *staged = _staged_operands(
       arrays, rows, copied, carried, operand, problem, interpret)
   fc2_weight_grad = lambda gelu16: _weight_grad(
@@ -193,15 +193,21 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
 
 def _carried_copies(config: Product, candidates, problem: Problem) -> tuple[int, ...]:
   """Which of the `(index, shape, rows)` copies the pre-GELU product makes between its MMAs:
-  all of them where its config carries copies and its schedule has steps for them (a
-  whole block per program), else none (the staging launch makes them)."""
-  if config is XLA_DOT or not config.copies_ahead or not candidates:
+  where its config carries copies and its schedule has steps for them (a whole block per
+  program), the longest leading run of them whose buffers fit its shared memory; else
+  none (the staging launch makes them)."""
+  if config is XLA_DOT or not config.carries_copies:
     return ()
+  operand = problem.mode.operand_dtype
   plan = engine.schedule(padded_rows(problem.tokens), problem.intermediate, problem.hidden,
                          config, engine.num_sms())
-  if engine.plan_copies(plan, [(shape, rows) for _, shape, rows in candidates]) is None:
-    return ()
-  return tuple(i for i, _, _ in candidates)
+  free = engine.shared_memory_left(config, plan, operand, operand, problem.dtype,
+                                   column_sums=True)
+  for n in range(len(candidates), 0, -1):
+    if engine.plan_copies(plan, [(shape, rows) for _, shape, rows in candidates[:n]], operand,
+                          free):
+      return tuple(i for i, _, _ in candidates[:n])
+  return ()
 
 
 def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,

@@ -48,14 +48,18 @@ pair of barriers.
 
 With `copies`, the compute warpgroups also copy other arrays to the
 operand dtype between their MMAs (after issuing a step's wgmma, before
-waiting for it): each step, each warpgroup loads a few row pieces (256 or
-128 columns) with plain vector loads, converts them and stores them, so the
-copies' HBM traffic runs beside a product that leaves bandwidth idle, in
-place of a staging pass before it (the fp32 inputs that only the later
-products read, on the fused pre-GELU product). Rows past a source's end are
-written as zeros. The pieces are spread over the steps that every program
-runs (its whole blocks), interleaved across programs so that the SMs sweep
-each array together.
+waiting for it), so that the copies' HBM traffic runs beside a product that
+leaves bandwidth idle, in place of a staging pass before it (the fp32 inputs
+that only the later products read, on the fused pre-GELU product). Each step,
+each warpgroup converts one piece of each array (`rows x 256` or `x 128`),
+which TMA brought into shared memory during the step before, stores it by
+TMA and starts the next piece's load. The pieces go through shared memory
+because a load into registers still in flight stalls the next wgmma (loads
+straight into registers made the fused product at S=4096 89.7 -> 166.9 us).
+TMA fills reads past a source's end with zeros and drops writes past a copy's,
+so its padded rows are zeros. The pieces are spread over the steps that every
+program runs (its whole blocks), interleaved across programs so that the SMs
+sweep each array together.
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
@@ -111,10 +115,9 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
-  # With `matmul`'s copies: how many steps before its store each piece is loaded (0: 1).
-  # The backward hands a product with copies_ahead > 0 the 16-bit copies of the inputs
-  # only later products read, to make between its MMAs.
-  copies_ahead: int = 0
+  # The backward hands this product the 16-bit copies of the inputs only later products
+  # read, for its compute warpgroups to make between their MMAs (`matmul`'s `copies`).
+  carries_copies: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -138,7 +141,7 @@ BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
-COPY_THREADS = 128   # a warpgroup: each thread copies 1 or 2 columns of a row piece
+COPY_THREADS = 128   # a warpgroup: each thread converts 1 or 2 columns of each piece row
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
@@ -238,17 +241,19 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Copy:
   """One array copied by a product's compute warpgroups (see the module docstring): the
-  source's shape, the copy's rows (zeros past the source's), the columns of a row piece
-  and the pieces each warpgroup copies per contraction step."""
+  source's shape, the copy's rows (zeros past the source's) and the `piece_rows x
+  piece_cols` piece each warpgroup copies per contraction step."""
 
   shape: tuple[int, int]
   rows: int
-  piece: int
-  per_step: int
+  piece_rows: int
+  piece_cols: int
 
-  @property
-  def pieces(self) -> int:
-    return self.rows * (self.shape[1] // self.piece)
+  def shared_memory_bytes(self, dtype) -> int:
+    """The two warpgroups' buffers: the source's piece and its copy."""
+    source_dtype = jnp.float32   # (the widest source a copy takes)
+    return 2 * self.piece_rows * self.piece_cols * (
+        jnp.dtype(source_dtype).itemsize + jnp.dtype(dtype).itemsize)
 
 
 def copy_steps(plan: Schedule) -> int:
@@ -256,18 +261,31 @@ def copy_steps(plan: Schedule) -> int:
   return plan.whole // plan.programs * plan.whole_steps
 
 
-def plan_copies(plan: Schedule, shapes_and_rows) -> tuple[Copy, ...] | None:
-  """Copies of arrays of these `(shape, rows)` spread over `plan`'s steps, or None where it
-  has none to spread them over (fewer whole blocks than programs) or a row is not whole
-  pieces (a multiple of 128 elements)."""
+def plan_copies(plan: Schedule, shapes_and_rows, dtype, free_bytes: int
+                ) -> tuple[Copy, ...] | None:
+  """Copies into `dtype` of arrays of these `(shape, rows)` spread over `plan`'s steps, or
+  None where it has none to spread them over (fewer whole blocks than programs), a row is
+  not whole pieces (a multiple of 128 elements) or their buffers need more than
+  `free_bytes` of shared memory."""
   slots = copy_steps(plan) * 2 * plan.programs   # (step, warpgroup, program)
   if not slots or any(shape[1] % COPY_THREADS for shape, _ in shapes_and_rows):
     return None
   copies = []
   for shape, rows in shapes_and_rows:
-    piece = 2 * COPY_THREADS if shape[1] % (2 * COPY_THREADS) == 0 else COPY_THREADS
-    copies.append(Copy(tuple(shape), rows, piece, pl.cdiv(rows * (shape[1] // piece), slots)))
-  return tuple(copies)
+    cols = 2 * COPY_THREADS if shape[1] % (2 * COPY_THREADS) == 0 else COPY_THREADS
+    copies.append(Copy(tuple(shape), rows, pl.cdiv(rows * (shape[1] // cols), slots), cols))
+  needed = sum(-(-c.shared_memory_bytes(dtype) // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES
+               for c in copies)
+  return tuple(copies) if needed <= free_bytes else None
+
+
+def shared_memory_left(config: GemmConfig, plan: Schedule, dtype, out_dtype,
+                       epilogue_dtype=None, column_sums=False, scales=False,
+                       line_maxima=False) -> int:
+  """Bytes of an sm_90 block's shared memory that `matmul` leaves free for copies."""
+  return (SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES - shared_memory_bytes(
+      config, plan.k_steps, dtype, out_dtype, plan.splits > 1, epilogue_dtype, column_sums,
+      scales, line_maxima))
 
 
 def _warpgroup_tile_lines(shape, block, warpgroup_tile):
@@ -355,24 +373,27 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
   plan = schedule(m, n, k, config, num_programs or num_sms())
-  smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
-                             None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None, row_scale is not None, line_maxima)
-  if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
+  epilogue_dtype = None if epilogue is None else epilogue_operand.dtype
+  free = shared_memory_left(config, plan, a.dtype, out_dtype, epilogue_dtype,
+                            column_sums is not None, row_scale is not None, line_maxima)
+  smem = SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES - free
+  if free < 0:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
                      f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
                      "pieces fit).")
   copy_plan = ()
   if copies:
-    copy_plan = plan_copies(plan, [(x.shape, rows) for x, rows in copies])
     bad = [f"{x.shape} {x.dtype} into {rows} rows" for x, rows in copies
-           if x.ndim != 2 or rows < x.shape[0]]
-    if copy_plan is None or bad:
+           if x.ndim != 2 or rows < x.shape[0] or jnp.dtype(x.dtype).itemsize > 4]
+    copy_plan = None if bad else plan_copies(plan, [(x.shape, rows) for x, rows in copies],
+                                             a.dtype, free)
+    if copy_plan is None:
       raise ValueError(f"matmul: copies {bad or [x.shape for x, _ in copies]} need 2-D arrays "
-                       f"with rows a multiple of {COPY_THREADS} elements, into at least their "
-                       f"rows, and a product with a whole block per program ({plan.whole} "
-                       f"whole blocks for {plan.programs} programs).")
+                       f"of at most 32 bits with rows a multiple of {COPY_THREADS} elements, "
+                       f"into at least their rows, a product with a whole block per program "
+                       f"({plan.whole} whole blocks for {plan.programs} programs) and their "
+                       f"buffers within the {free} bytes of shared memory {config} leaves.")
   block_m, block_n = config.block
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
@@ -495,6 +516,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     extra_smem.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
                       col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
                       scales_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=4))
+  if copies:   # copy_arrived[2 j + w]: warpgroup w's piece of copy j
+    extra_smem.update(
+        copy_in=[plgpu.SMEM((2, c.piece_rows, c.piece_cols), s.dtype)
+                 for c, s in zip(copies, copy_sources)],
+        copy_out=[plgpu.SMEM((2, c.piece_rows, c.piece_cols), dtype) for c in copies],
+        copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2 * len(copies)))
   reduces_columns = column_sums is not None or line_maxima
   if sums_gmem is not None:
     extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32))
@@ -527,7 +554,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None):
+             scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_in=None,
+             copy_out=None, copy_arrived=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0, whole=True):
@@ -624,44 +652,46 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
     program = lax.axis_index("program") if copies or config.chained else None
-    ahead = max(config.copies_ahead, 1)
 
-    def piece_at(copy, step, i):
-      """(row, column) of warpgroup `wg`'s i-th piece of `copy` at this program's `step`."""
-      piece = ((step * 2 + wg) * plan.programs + program) * copy.per_step + i
-      per_row = copy.shape[1] // copy.piece
-      return piece // per_row, piece % per_row * copy.piece
+    steps_with_copies = copy_steps(plan)
+
+    def piece_at(copy, step):
+      """(rows, columns, whether it is one) of warpgroup `wg`'s piece of `copy` at this
+      program's `step`-th contraction step over whole blocks."""
+      piece = (step * 2 + wg) * plan.programs + program
+      per_row = copy.shape[1] // copy.piece_cols
+      row0 = piece // per_row * copy.piece_rows
+      return (pl.ds(row0, copy.piece_rows),
+              pl.ds(piece % per_row * copy.piece_cols, copy.piece_cols), row0 < copy.rows)
 
     def load_pieces(step):
-      """Warpgroup `wg`'s row pieces of the copies at this program's `step`-th contraction
-      step over whole blocks (module docstring), loaded: a step before they are stored."""
-      loaded = []
-      for copy, source in zip(copies, copy_sources):
-        for i in range(copy.per_step):
-          row, col = piece_at(copy, step, i)
-          read_row = jnp.minimum(row, copy.shape[0] - 1)   # past the source: any row
-          x = source[pl.ds(read_row, 1), pl.ds(col, copy.piece)]
+      """Starts the TMA loads of warpgroup `wg`'s pieces at `step`."""
+      for j, (copy, source) in enumerate(zip(copies, copy_sources)):
+        rows, cols, is_piece = piece_at(copy, step)
+
+        @pl.when(is_piece & (step < steps_with_copies))
+        def _load():
+          plgpu.copy_gmem_to_smem(source.at[rows, cols], copy_in[j].at[wg],
+                                  copy_arrived.at[2 * j + wg])
+
+    def copy_pieces(step):
+      """Warpgroup `wg`'s pieces at `step`, loaded during the step before: converted and
+      stored by TMA; then the next step's loads start."""
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last step's pieces are read
+      for j, (copy, target) in enumerate(zip(copies, copy_targets)):
+        rows, cols, is_piece = piece_at(copy, step)
+
+        @pl.when(is_piece)
+        def _copy():
+          plgpu.barrier_wait(copy_arrived.at[2 * j + wg])
+          x = copy_in[j][wg]
           if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
             x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
-                (1, copy.piece), vec_size=copy.piece // COPY_THREADS))
-          loaded.append(x)
-      return tuple(loaded)
-
-    def store_pieces(step, loaded):
-      """Stores what `load_pieces(step)` loaded, converted, and zeros past the sources."""
-      pieces = [(copy, target, i) for copy, target in zip(copies, copy_targets)
-                for i in range(copy.per_step)]
-      for (copy, target, i), x in zip(pieces, loaded):
-        row, col = piece_at(copy, step, i)
-        piece = target.at[pl.ds(row, 1), pl.ds(col, copy.piece)]
-
-        @pl.when(row < copy.shape[0])
-        def _copy():
-          piece[...] = x.astype(target.dtype)
-
-        @pl.when((row >= copy.shape[0]) & (row < copy.rows))
-        def _zeros():
-          piece[...] = jnp.zeros((1, copy.piece), target.dtype)
+                (copy.piece_rows, copy.piece_cols), vec_size=copy.piece_cols // COPY_THREADS))
+          copy_out[j][wg] = x.astype(dtype)
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(copy_out[j].at[wg], target.at[rows, cols])
+      load_pieces(step + 1)
 
     def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None, first_step=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
@@ -674,15 +704,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           start_tile(row0, col0, whole=partial_index is None)
-          # With copies, each step stores the pieces loaded `ahead` steps before (the first
-          # steps' here) and loads those `ahead` steps on, which the pipeline carries.
-          run_pipeline(acc_ref if first_step is None else (
-              acc_ref, tuple(load_pieces(first_step + j) for j in range(ahead))))
+          if first_step is not None:
+            @pl.when(first_step == 0)
+            def _first_pieces():   # (each step loads the next one's)
+              load_pieces(0)
+          run_pipeline(acc_ref)
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(indices, a_smem, b_smem, carry):
-        acc_ref, loaded = carry if first_step is not None else (carry, None)
+      def mma(indices, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
@@ -690,10 +720,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
         if first_step is not None:   # the copies, while the MMAs run
           step = first_step + indices[0]
-          store_pieces(step, loaded[0])
-          carry = (acc_ref, (*loaded[1:], load_pieces(step + ahead)))
+
+          @pl.when(step < steps_with_copies)
+          def _copies():
+            copy_pieces(step)
         plgpu.wgmma_wait(delay)
-        return carry
+        return acc_ref
 
       block_rows, block_cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
       a_view = a_gmem.at[k_range, block_rows] if transpose_a else a_gmem.at[block_rows, k_range]
