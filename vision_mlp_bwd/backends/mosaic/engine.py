@@ -664,34 +664,47 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       return (pl.ds(row0, copy.piece_rows),
               pl.ds(piece % per_row * copy.piece_cols, copy.piece_cols), row0 < copy.rows)
 
+    def when_piece(is_piece, fn):
+      """`fn()` for a piece; past a copy's end too on the GPU, where TMA fills the reads
+      there with zeros and drops the writes (fewer branches between the MMAs), but not in
+      Pallas's GPU interpret mode, which raises on them."""
+      if interpreted:
+        pl.when(is_piece)(fn)
+      else:
+        fn()
+
     def load_pieces(step):
       """Starts the TMA loads of warpgroup `wg`'s pieces at `step`."""
       for j, (copy, source) in enumerate(zip(copies, copy_sources)):
         rows, cols, is_piece = piece_at(copy, step)
-
-        @pl.when(is_piece & (step < steps_with_copies))
-        def _load():
-          plgpu.copy_gmem_to_smem(source.at[rows, cols], copy_in[j].at[wg],
-                                  copy_arrived.at[2 * j + wg])
+        when_piece(is_piece, lambda j=j, rows=rows, cols=cols, source=source:
+                   plgpu.copy_gmem_to_smem(source.at[rows, cols], copy_in[j].at[wg],
+                                           copy_arrived.at[2 * j + wg]))
 
     def copy_pieces(step):
       """Warpgroup `wg`'s pieces at `step`, loaded during the step before: converted and
-      stored by TMA; then the next step's loads start."""
+      stored by TMA, all together (each wait and fence costs the step latency); then the
+      next step's loads start."""
+      pieces = [piece_at(copy, step) for copy in copies]
+      values = []
+      for j, (copy, (_, _, is_piece)) in enumerate(zip(copies, pieces)):
+        when_piece(is_piece, lambda j=j: plgpu.barrier_wait(copy_arrived.at[2 * j + wg]))
+        x = copy_in[j][wg]
+        if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
+          x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
+              (copy.piece_rows, copy.piece_cols), vec_size=copy.piece_cols // COPY_THREADS))
+        values.append(x)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last step's pieces are read
-      for j, (copy, target) in enumerate(zip(copies, copy_targets)):
-        rows, cols, is_piece = piece_at(copy, step)
+      for j, x in enumerate(values):
+        copy_out[j][wg] = x.astype(dtype)
+      plgpu.commit_smem()
+      for j, (target, (rows, cols, is_piece)) in enumerate(zip(copy_targets, pieces)):
+        when_piece(is_piece, lambda j=j, rows=rows, cols=cols, target=target:
+                   plgpu.copy_smem_to_gmem(copy_out[j].at[wg], target.at[rows, cols]))
 
-        @pl.when(is_piece)
-        def _copy():
-          plgpu.barrier_wait(copy_arrived.at[2 * j + wg])
-          x = copy_in[j][wg]
-          if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
-            x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
-                (copy.piece_rows, copy.piece_cols), vec_size=copy.piece_cols // COPY_THREADS))
-          copy_out[j][wg] = x.astype(dtype)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(copy_out[j].at[wg], target.at[rows, cols])
-      load_pieces(step + 1)
+      @pl.when(step + 1 < steps_with_copies)
+      def _next():
+        load_pieces(step + 1)
 
     def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None, first_step=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
@@ -705,7 +718,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         def _acc(acc_ref):
           start_tile(row0, col0, whole=partial_index is None)
           if first_step is not None:
-            @pl.when(first_step == 0)
+            @pl.when((first_step == 0) & (steps_with_copies > 0))
             def _first_pieces():   # (each step loads the next one's)
               load_pieces(0)
           run_pipeline(acc_ref)
