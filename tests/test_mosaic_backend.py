@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from vision_mlp_bwd.backends import mosaic
-from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward, engine
+from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 from tests import bounds, helpers
@@ -183,16 +183,9 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
-                col_scale=None, partial_reductions=False, out_rows=None, copies=(), **_):
+                col_scale=None, partial_reductions=False, out_rows=None, **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
   partial reductions as one part each)."""
-  if copies:
-    copied = tuple(jnp.pad(x.astype(a.dtype), ((0, rows - x.shape[0]), (0, 0)))
-                   for x, rows in copies)
-    return _jnp_engine(a, b, transpose_a=transpose_a, out_dtype=out_dtype, epilogue=epilogue,
-                       epilogue_operand=epilogue_operand, column_sums=column_sums,
-                       line_maxima=line_maxima, row_scale=row_scale, col_scale=col_scale,
-                       partial_reductions=partial_reductions, out_rows=out_rows), copied
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   if row_scale is not None:
@@ -254,45 +247,6 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
   if pre_gelu_on_xla:   # then the GELU pass over XLA's product, into S rows
     copies.append(((64, 256), tokens))
   assert staged == copies
-
-
-@pytest.mark.transcendental
-@pytest.mark.parametrize("weights_on_xla", [True, False], ids=["xla-dots", "engine"])
-def test_copies_carried_by_the_pre_gelu_product_within_bounds(monkeypatch, weights_on_xla):
-  """A pre-GELU config that carries copies: of gelu_output, hidden_state and fc1_weight
-  (the largest first), those whose pieces fit its shared memory are copied by that product
-  (here the jnp stand-in of `engine.matmul`'s contract), with the rows the products after
-  it read, and the rest by the staging launch; every output within its bound."""
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
-  monkeypatch.setattr(mosaic_backward.engine, "num_sms", lambda: 1)   # blocks to carry them
-  staged, carried, launch, matmul = [], [], mosaic_backward.staging.launch, _jnp_engine
-
-  def recording_launch(pairs, **kwargs):
-    staged.extend(job.shape for job, _ in pairs if getattr(job, "copies", 0))
-    return launch(pairs, **kwargs)
-
-  def recording_matmul(*args, copies=(), **kwargs):
-    carried.extend((x.shape, rows) for x, rows in copies)
-    return matmul(*args, copies=copies, **kwargs)
-  monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", recording_matmul)
-  tokens = 61
-  pre = engine.GemmConfig(tile_n=64, stages=2, carries_copies=True)
-  xla = {"fp32_inputs": ((None, mosaic_backward.XLA_DOT),)}
-  engine_rows = {"fp32_inputs": ((None, engine.GemmConfig(tile_n=64, stages=2)),)}
-  tables = dataclasses.replace(mosaic_backward.TABLES, pre_gelu={"fp32_inputs": ((None, pre),)},
-                               rows=xla if weights_on_xla else engine_rows,
-                               weight_grads=xla if weights_on_xla else engine_rows)
-  inputs = helpers.backward_inputs(tokens, 128, 256)
-  problem = _problem(tokens, jnp.float32, DotMode.F16, 128, 256)
-  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables,
-                                                     interpret=True))(*inputs)
-  bounds.check_backward(outs, inputs, jax.lax.DotAlgorithmPreset.F16_F16_F32, "copies")
-  hidden_rows = tokens if weights_on_xla else 64   # S rows where only XLA's dots read it
-  # gelu_output and hidden_state; fc1_weight's pieces (32 rows of 128 on 8 steps) would
-  # need 48 KB more shared memory than this config leaves, so the staging launch copies it.
-  assert carried == [((tokens, 256), 64), ((tokens, 128), hidden_rows)]
-  assert staged == [(tokens, 128), (256, 128), (128, 256)]
 
 
 def test_tf32_refuses_xla_dots():

@@ -161,26 +161,14 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   pre_rows = (problem.tokens if rows_config is XLA_DOT and weight_config is XLA_DOT
               else padded)
   inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
-  arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
-  rows = (padded, pre_rows, problem.tokens if inputs_for_fc2_weight else padded,
-          fc1_weight.shape[0], fc2_weight.shape[0])
-  copied = [x.dtype != operand or r != x.shape[0] for x, r in zip(arrays, rows)]
-  carried = _carried_copies(pre_config, [(i, arrays[i].shape, rows[i]) for i in (2, 1, 3)
-                                         if copied[i]], problem)   # the largest first
-  (grad_out16, fc2_bias_parts), *staged = _staged_operands(
-      arrays, rows, copied, carried, operand, problem, interpret)
-  fc2_weight_grad = lambda gelu16: _weight_grad(
-      grad_output if inputs_for_fc2_weight else grad_out16, gelu16, weight_config, problem)
-  if 2 not in carried:   # (traced first, as XLA has scheduled it)
-    grad_fc2_weight = fc2_weight_grad(staged[1])
-  (grad_pre16, fc1_bias_parts), carried_copies = _pre_gelu_grad(
-      grad_out16, staged[3], fc1_output, pre_config, problem, pre_rows, interpret,
-      copies=[(arrays[i], rows[i]) for i in carried])
-  for i, x in zip(carried, carried_copies):
-    staged[i - 1] = x
-  hidden16, gelu16, w1, _ = staged
-  if 2 in carried:
-    grad_fc2_weight = fc2_weight_grad(gelu16)
+  (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
+      grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
+      interpret, hidden_rows=pre_rows,
+      gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
+  grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
+                                 weight_config, problem)
+  grad_pre16, fc1_bias_parts = _pre_gelu_grad(grad_out16, w2, fc1_output, pre_config,
+                                              problem, pre_rows, interpret)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
   grad_hidden_state = _input_grad(grad_pre16, w1, rows_config, problem)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
@@ -191,35 +179,14 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
 
 
-def _carried_copies(config: Product, candidates, problem: Problem) -> tuple[int, ...]:
-  """Which of the `(index, shape, rows)` copies the pre-GELU product makes between its MMAs:
-  where its config carries copies and its schedule has steps for them (a whole block per
-  program), the longest leading run of them whose buffers fit its shared memory; else
-  none (the staging launch makes them)."""
-  if config is XLA_DOT or not config.carries_copies:
-    return ()
-  operand = problem.mode.operand_dtype
-  plan = engine.schedule(padded_rows(problem.tokens), problem.intermediate, problem.hidden,
-                         config, engine.num_sms())
-  free = engine.shared_memory_left(config, plan, operand, operand, problem.dtype,
-                                   column_sums=True)
-  for n in range(len(candidates), 0, -1):
-    if engine.plan_copies(plan, [(shape, rows) for _, shape, rows in candidates[:n]], operand,
-                          free):
-      return tuple(i for i, _, _ in candidates[:n])
-  return ()
-
-
 def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,
-                   out_rows: int, interpret: bool, copies=()):
-  """The pre-GELU gradient in the operand dtype with `out_rows` rows and its bias
-  gradient's partial sums, then the `copies` (`engine.matmul`'s) the product made: the
-  engine's product with the GELU derivative in its epilogue, or (XLA_DOT, fp32 inputs)
-  XLA's fp32 product and one staging pass that applies the derivative, stores the 16-bit
-  copy and sums the fp32 columns."""
+                   out_rows: int, interpret: bool):
+  """The pre-GELU gradient in the operand dtype with `out_rows` rows, and its bias
+  gradient's partial sums: the engine's product with the GELU derivative in its epilogue,
+  or (XLA_DOT, fp32 inputs) XLA's fp32 product and one staging pass that applies the
+  derivative, stores the 16-bit copy and sums the fp32 columns."""
   dtype, operand = problem.dtype, problem.mode.operand_dtype
   if config is XLA_DOT:
-    assert not copies
     product = reference.input_grad(grad_out16, fc2_weight16, problem.mode)   # rows x weight
     (pass_out,) = staging.launch(
         [(staging.Cast(product.shape, jnp.dtype(operand), rows=out_rows, sums=True,
@@ -227,16 +194,15 @@ def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, proble
                        block=PRE_GELU_PASS_BLOCK),
           (product, fc1_output))],
         mode=problem.mode, interpret=interpret, name="mlp_backward_pre_gelu")
-    return pass_out, ()
+    return pass_out
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
-  result = engine.matmul(
+  return engine.matmul(
       grad_out16, fc2_weight16, out_dtype=operand, config=config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
-      partial_reductions=True, out_rows=out_rows, copies=tuple(copies))
-  return result if copies else (result, ())
+      partial_reductions=True, out_rows=out_rows)
 
 
 def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
@@ -258,28 +224,32 @@ def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
                        defer_tail=True, out_rows=problem.tokens)
 
 
-def _staged_operands(arrays, rows, copied, carried, operand, problem: Problem,
-                     interpret: bool):
+def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
+                     problem: Problem, interpret: bool, hidden_rows: int, gelu_rows: int):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
-  Of `arrays` (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight), each
-  `copied` one (not yet in the operand dtype with its `rows`: S or padded) that the
-  pre-GELU product does not make (`carried`) is copied so (`staging.Cast`, zero rows past
-  S), read once; grad_output's column sums (the bias gradient, of its values as given)
-  come from the same read, as partial rows. Returns `((grad_output, its partial column
-  sums), hidden_state, gelu_output, fc1_weight, fc2_weight)`, the carried ones None."""
+  Each input that is not yet in the operand dtype with its rows (grad_output's padded to
+  whole groups of 8, hidden_state's `hidden_rows` and gelu_output's `gelu_rows`: S or
+  padded) is copied
+  so (`staging.Cast`, zero rows past S), read once; grad_output's column sums (the bias
+  gradient, of its values as given) come from the same read, as partial rows. Returns
+  `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
+  fc2_weight)`."""
+  arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
+  padded = padded_rows(problem.tokens)
+  rows = (padded, hidden_rows, gelu_rows, fc1_weight.shape[0], fc2_weight.shape[0])
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
-    copy = copied[i] and i not in carried
+    copy = x.dtype != operand or x_rows != x.shape[0]
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
                              sums=i == 0, finished=False)
   outs = dict(zip(jobs, staging.launch(
       [(job, (arrays[i],)) for i, job in jobs.items()], mode=problem.mode,
       interpret=interpret, name="mlp_backward_staging")))
-  staged = [outs.get(i, None if i in carried else x) for i, x in enumerate(arrays)]
+  staged = [outs.get(i, x) for i, x in enumerate(arrays)]
   if not jobs[0].out_dtype:   # grad_output was only summed
-    staged[0] = (arrays[0], staged[0])
+    staged[0] = (grad_output, staged[0])
   # The products wait for the launch (XLA would otherwise run it beside them, slower).
   return lax.optimization_barrier(tuple(staged))
 

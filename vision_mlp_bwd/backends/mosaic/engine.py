@@ -46,21 +46,6 @@ buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
-With `copies`, the compute warpgroups also copy other arrays to the
-operand dtype between their MMAs (after issuing a step's wgmma, before
-waiting for it), so that the copies' HBM traffic runs beside a product that
-leaves bandwidth idle, in place of a staging pass before it (the fp32 inputs
-that only the later products read, on the fused pre-GELU product). Each step,
-each warpgroup converts one piece of each array (`rows x 256` or `x 128`),
-which TMA brought into shared memory during the step before, stores it by
-TMA and starts the next piece's load. The pieces go through shared memory
-because a load into registers still in flight stalls the next wgmma (loads
-straight into registers made the fused product at S=4096 89.7 -> 166.9 us).
-TMA fills reads past a source's end with zeros and drops writes past a copy's,
-so its padded rows are zeros. The pieces are spread over the steps that every
-program runs (its whole blocks), interleaved across programs so that the SMs
-sweep each array together.
-
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
 multiplied by them before the epilogue: that is how the TF32 products on the
@@ -115,9 +100,6 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
-  # The backward hands this product the 16-bit copies of the inputs only later products
-  # read, for its compute warpgroups to make between their MMAs (`matmul`'s `copies`).
-  carries_copies: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -141,7 +123,6 @@ BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
-COPY_THREADS = 128   # a warpgroup: each thread converts 1 or 2 columns of each piece row
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
@@ -238,56 +219,6 @@ def _ring(config: GemmConfig, k_steps: int) -> int:
   return min(range(deepest, shallowest - 1, -1), key=lambda r: pl.cdiv(k_steps, r) * r)
 
 
-@dataclasses.dataclass(frozen=True)
-class Copy:
-  """One array copied by a product's compute warpgroups (see the module docstring): the
-  source's shape, the copy's rows (zeros past the source's) and the `piece_rows x
-  piece_cols` piece each warpgroup copies per contraction step."""
-
-  shape: tuple[int, int]
-  rows: int
-  piece_rows: int
-  piece_cols: int
-
-  def shared_memory_bytes(self, dtype) -> int:
-    """The two warpgroups' buffers: the source's piece and its copy."""
-    source_dtype = jnp.float32   # (the widest source a copy takes)
-    return 2 * self.piece_rows * self.piece_cols * (
-        jnp.dtype(source_dtype).itemsize + jnp.dtype(dtype).itemsize)
-
-
-def copy_steps(plan: Schedule) -> int:
-  """Contraction steps that every program of `plan` runs over whole blocks: where copies go."""
-  return plan.whole // plan.programs * plan.whole_steps
-
-
-def plan_copies(plan: Schedule, shapes_and_rows, dtype, free_bytes: int
-                ) -> tuple[Copy, ...] | None:
-  """Copies into `dtype` of arrays of these `(shape, rows)` spread over `plan`'s steps, or
-  None where it has none to spread them over (fewer whole blocks than programs), a row is
-  not whole pieces (a multiple of 128 elements) or their buffers need more than
-  `free_bytes` of shared memory."""
-  slots = copy_steps(plan) * 2 * plan.programs   # (step, warpgroup, program)
-  if not slots or any(shape[1] % COPY_THREADS for shape, _ in shapes_and_rows):
-    return None
-  copies = []
-  for shape, rows in shapes_and_rows:
-    cols = 2 * COPY_THREADS if shape[1] % (2 * COPY_THREADS) == 0 else COPY_THREADS
-    copies.append(Copy(tuple(shape), rows, pl.cdiv(rows * (shape[1] // cols), slots), cols))
-  needed = sum(-(-c.shared_memory_bytes(dtype) // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES
-               for c in copies)
-  return tuple(copies) if needed <= free_bytes else None
-
-
-def shared_memory_left(config: GemmConfig, plan: Schedule, dtype, out_dtype,
-                       epilogue_dtype=None, column_sums=False, scales=False,
-                       line_maxima=False) -> int:
-  """Bytes of an sm_90 block's shared memory that `matmul` leaves free for copies."""
-  return (SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES - shared_memory_bytes(
-      config, plan.k_steps, dtype, out_dtype, plan.splits > 1, epilogue_dtype, column_sums,
-      scales, line_maxima))
-
-
 def _warpgroup_tile_lines(shape, block, warpgroup_tile):
   """(rows, columns) of warpgroup tiles over an `[M, N]` product in `block`s: how many
   partial rows its epilogue's column reductions and its row maxima leave."""
@@ -311,8 +242,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
-           defer_tail: bool = False, out_rows: int | None = None, copies=(),
-           interpret=None):
+           defer_tail: bool = False, out_rows: int | None = None, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -330,9 +260,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
   in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
   rows (TMA drops the stores past them: an S-row gradient from a product over operands
-  padded to whole groups of 8 rows, without a copy). `copies`: `(array, rows)` pairs, each
-  copied to the operand dtype with `rows` rows by the compute warpgroups (module
-  docstring); the product then returns `(result, copies)`. `interpret` is `plgpu.kernel`'s
+  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -373,33 +301,19 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
   plan = schedule(m, n, k, config, num_programs or num_sms())
-  epilogue_dtype = None if epilogue is None else epilogue_operand.dtype
-  free = shared_memory_left(config, plan, a.dtype, out_dtype, epilogue_dtype,
-                            column_sums is not None, row_scale is not None, line_maxima)
-  smem = SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES - free
-  if free < 0:
+  smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
+                             None if epilogue is None else epilogue_operand.dtype,
+                             column_sums is not None, row_scale is not None, line_maxima)
+  if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
                      f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
                      "pieces fit).")
-  copy_plan = ()
-  if copies:
-    bad = [f"{x.shape} {x.dtype} into {rows} rows" for x, rows in copies
-           if x.ndim != 2 or rows < x.shape[0] or jnp.dtype(x.dtype).itemsize > 4]
-    copy_plan = None if bad else plan_copies(plan, [(x.shape, rows) for x, rows in copies],
-                                             a.dtype, free)
-    if copy_plan is None:
-      raise ValueError(f"matmul: copies {bad or [x.shape for x, _ in copies]} need 2-D arrays "
-                       f"of at most 32 bits with rows a multiple of {COPY_THREADS} elements, "
-                       f"into at least their rows, a product with a whole block per program "
-                       f"({plan.whole} whole blocks for {plan.programs} programs) and their "
-                       f"buffers within the {free} bytes of shared memory {config} leaves.")
   block_m, block_n = config.block
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
-                             line_maxima=line_maxima, copies=copy_plan,
-                             interpreted=bool(interpret))
+                             line_maxima=line_maxima)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
@@ -408,7 +322,6 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
     out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
                   jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
-  out_types += [jax.ShapeDtypeStruct((c.rows, c.shape[1]), a.dtype) for c in copy_plan]
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
@@ -418,18 +331,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
-  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
-    *(x for x, _ in copies))
-  outs = tuple(outs)
-  n_outs = len(outs) - len(copy_plan) - (plan.splits > 1)   # the copies come after these
-  result = _finish(outs[:n_outs] + outs[n_outs + len(copy_plan):], plan, config, column_sums,
-                   line_maxima, partial_reductions, defer_tail, interpret)
-  return (result, outs[n_outs:n_outs + len(copy_plan)]) if copy_plan else result
-
-
-def _finish(outs, plan, config, column_sums, line_maxima, partial_reductions, defer_tail,
-            interpret):
-  """`matmul`'s result from the kernel's outputs (its copies taken out)."""
+  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -478,15 +380,13 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool, copies: tuple[Copy, ...], interpreted: bool):
+            line_maxima: bool):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
-  copy_sources = [refs.pop(0) for _ in copies]
   out_gmem = refs.pop(0)
   sums_gmem = refs.pop(0) if column_sums else None
   col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
-  copy_targets = [refs.pop(0) for _ in copies]
   partial_gmem = refs   # the split tail's fp32 partials, if any
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
@@ -516,12 +416,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     extra_smem.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
                       col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
                       scales_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=4))
-  if copies:   # copy_arrived[2 j + w]: warpgroup w's piece of copy j
-    extra_smem.update(
-        copy_in=[plgpu.SMEM((2, c.piece_rows, c.piece_cols), s.dtype)
-                 for c, s in zip(copies, copy_sources)],
-        copy_out=[plgpu.SMEM((2, c.piece_rows, c.piece_cols), dtype) for c in copies],
-        copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2 * len(copies)))
   reduces_columns = column_sums is not None or line_maxima
   if sums_gmem is not None:
     extra_smem.update(sums_smem=plgpu.SMEM((2, tile_n), jnp.float32))
@@ -554,8 +448,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_in=None,
-             copy_out=None, copy_arrived=None):
+             scales_arrived=None, col_max_smem=None, row_max_smem=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0, whole=True):
@@ -651,65 +544,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       wg_rows, wg_cols = slice(None), pl.ds(wg * tile_n, tile_n)
     wg_row0, wg_col0 = (wg * tile_m, 0) if config.split == "m" else (0, wg * tile_n)
 
-    program = lax.axis_index("program") if copies or config.chained else None
-
-    steps_with_copies = copy_steps(plan)
-
-    def piece_at(copy, step):
-      """(rows, columns, whether it is one) of warpgroup `wg`'s piece of `copy` at this
-      program's `step`-th contraction step over whole blocks."""
-      piece = (step * 2 + wg) * plan.programs + program
-      per_row = copy.shape[1] // copy.piece_cols
-      row0 = piece // per_row * copy.piece_rows
-      return (pl.ds(row0, copy.piece_rows),
-              pl.ds(piece % per_row * copy.piece_cols, copy.piece_cols), row0 < copy.rows)
-
-    def when_piece(is_piece, fn):
-      """`fn()` for a piece; past a copy's end too on the GPU, where TMA fills the reads
-      there with zeros and drops the writes (fewer branches between the MMAs), but not in
-      Pallas's GPU interpret mode, which raises on them."""
-      if interpreted:
-        pl.when(is_piece)(fn)
-      else:
-        fn()
-
-    def load_pieces(step):
-      """Starts the TMA loads of warpgroup `wg`'s pieces at `step`."""
-      for j, (copy, source) in enumerate(zip(copies, copy_sources)):
-        rows, cols, is_piece = piece_at(copy, step)
-        when_piece(is_piece, lambda j=j, rows=rows, cols=cols, source=source:
-                   plgpu.copy_gmem_to_smem(source.at[rows, cols], copy_in[j].at[wg],
-                                           copy_arrived.at[2 * j + wg]))
-
-    def copy_pieces(step):
-      """Warpgroup `wg`'s pieces at `step`, loaded during the step before: converted and
-      stored by TMA, all together (each wait and fence costs the step latency); then the
-      next step's loads start."""
-      pieces = [piece_at(copy, step) for copy in copies]
-      values = []
-      for j, (copy, (_, _, is_piece)) in enumerate(zip(copies, pieces)):
-        when_piece(is_piece, lambda j=j: plgpu.barrier_wait(copy_arrived.at[2 * j + wg]))
-        x = copy_in[j][wg]
-        if not interpreted:   # (Pallas's GPU interpret mode has no layouts)
-          x = plgpu.layout_cast(x, plgpu.Layout.WG_STRIDED(
-              (copy.piece_rows, copy.piece_cols), vec_size=copy.piece_cols // COPY_THREADS))
-        values.append(x)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last step's pieces are read
-      for j, x in enumerate(values):
-        copy_out[j][wg] = x.astype(dtype)
-      plgpu.commit_smem()
-      for j, (target, (rows, cols, is_piece)) in enumerate(zip(copy_targets, pieces)):
-        when_piece(is_piece, lambda j=j, rows=rows, cols=cols, target=target:
-                   plgpu.copy_smem_to_gmem(copy_out[j].at[wg], target.at[rows, cols]))
-
-      @pl.when(step + 1 < steps_with_copies)
-      def _next():
-        load_pieces(step + 1)
-
-    def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None, first_step=None):
+    def run_block(bm, bn, k_first_step, steps, partial_index=None, seq=None):
       """Accumulates block (bm, bn) over `steps` contraction steps, each warpgroup its tile:
-      the program's `seq`-th pipeline of a chained schedule. `first_step`: the program's
-      steps before this block's, where it copies (whole blocks only)."""
+      the program's `seq`-th pipeline of a chained schedule."""
       row0, col0 = bm * block_m + wg_row0, bn * block_n + wg_col0   # this warpgroup's tile
       k_range = pl.ds(k_first_step * tile_k, steps * tile_k)
 
@@ -717,26 +554,16 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           start_tile(row0, col0, whole=partial_index is None)
-          if first_step is not None:
-            @pl.when((first_step == 0) & (steps_with_copies > 0))
-            def _first_pieces():   # (each step loads the next one's)
-              load_pieces(0)
           run_pipeline(acc_ref)
           # (acc_ref[...] waits for the MMAs)
           finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
 
-      def mma(indices, a_smem, b_smem, acc_ref):
+      def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
           plgpu.wgmma(acc_ref, a_smem.at[:, wg_rows].transpose((1, 0)) if config.split == "m"
                       else a_smem.transpose((1, 0)), b_smem.at[:, wg_cols])
         else:
           plgpu.wgmma(acc_ref, a_smem.at[wg_rows], b_smem.at[:, wg_cols])
-        if first_step is not None:   # the copies, while the MMAs run
-          step = first_step + indices[0]
-
-          @pl.when(step < steps_with_copies)
-          def _copies():
-            copy_pieces(step)
         plgpu.wgmma_wait(delay)
         return acc_ref
 
@@ -760,7 +587,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     chain, whole_here = (lambda seq: None), 0
     if config.chained:   # this program's pipelines: its whole blocks, then its K-parts
       START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
-      programs = plan.programs
+      program, programs = lax.axis_index("program"), plan.programs
       count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
       whole_here = count_here(plan.whole)
       pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
@@ -770,8 +597,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       @plgpu.nd_loop((plan.whole,), collective_axes="program")
       def _whole_blocks(loop):
         (index,) = loop.index
-        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index),
-                  first_step=loop.local_index * plan.whole_steps if copies else None)
+        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index))
     if partial_gmem:
       @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
       def _tail_parts(loop):
