@@ -142,7 +142,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   out_bytes = jnp.dtype(out_dtype).itemsize
   buffers.append(2 * slots * epi_m * epi_n * out_bytes)
-  if split_tail and _partials_buffer(out_dtype) == "own":   # one per warpgroup
+  if split_tail and _partials_need_own_buffer(out_dtype):   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
     buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
@@ -226,10 +226,10 @@ def _warpgroup_tile_lines(shape, block, warpgroup_tile):
   return pl.cdiv(m, bm) * bm // tm, pl.cdiv(n, bn) * bn // tn
 
 
-def _partials_buffer(out_dtype) -> str:
-  """Where a K-part's fp32 partial tile goes through shared memory: the output's epilogue
-  buffers when they are fp32, else a buffer of its own."""
-  return "out" if jnp.dtype(out_dtype) == jnp.float32 else "own"
+def _partials_need_own_buffer(out_dtype) -> bool:
+  """Whether a K-part's fp32 partial tile needs a shared-memory buffer of its own: it goes
+  through the output's epilogue buffers when they are fp32."""
+  return jnp.dtype(out_dtype) != jnp.float32
 
 
 def num_sms() -> int:
@@ -397,7 +397,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   slots = min(config.epilogue_buffers, pieces)
 
   partial_dtype = jnp.float32
-  separate_partial_smem = bool(partial_gmem) and _partials_buffer(out_dtype) == "own"
+  separate_partial_smem = bool(partial_gmem) and _partials_need_own_buffer(out_dtype)
   # Two warpgroups x `slots` buffers of one epilogue piece. The fp32 partials of a
   # 16-bit product get one buffer each, at least 32 columns wide (a 128-byte swizzle),
   # so the two epilogues fit beside the operand ring.
