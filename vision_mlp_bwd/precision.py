@@ -215,18 +215,27 @@ def _power_of_two(exponent):
   return lax.bitcast_convert_type((exponent + 127) << 23, jnp.float32)
 
 
-# A weight's scale can be guessed instead of measured: 2^10 brings column
-# maxima from 2^-10 to 2^5 (where trained weights live) to [1, 2^15). There,
-# elements within 2^14 of the maximum convert exactly and the others are off
-# by at most 2^-25 of it, 2^-14 of TF32's own rounding error on the maximum.
-# A kernel that finds a column outside redoes it with `f16_scale`.
+# A line's scale can be guessed instead of measured: 2^10 brings maxima from
+# 2^-10 to 2^5 (where trained weights and N(0, 1) activations live) to
+# [1, 2^15). There, elements within 2^14 of the maximum convert exactly and
+# the others are off by at most 2^-25 of it, 2^-14 of TF32's own rounding
+# error on the maximum. A kernel that finds a line outside redoes it with
+# `f16_scale`.
 SPECULATED_SCALE = 2.0 ** 10
 
 
 def fits_speculated(max_abs):
-  """Whether columns with these finite maxima may take `SPECULATED_SCALE` (0 fits too)."""
+  """Whether lines with these finite maxima may take `SPECULATED_SCALE` (0 fits too)."""
   scaled = max_abs * SPECULATED_SCALE
   return (max_abs == 0.0) | ((scaled >= 1.0) & (scaled < 2.0 ** 15))
+
+
+def checked_scales(max_abs):
+  """(scales, their reciprocals, which lines fit) for lines with these finite maxima:
+  `SPECULATED_SCALE` where `fits_speculated`, `f16_scale` elsewhere."""
+  fits = fits_speculated(max_abs)
+  return (jnp.where(fits, SPECULATED_SCALE, f16_scale(max_abs)),
+          jnp.where(fits, 1.0 / SPECULATED_SCALE, f16_unscale(max_abs)), fits)
 
 
 def scaled_f16_operand(x, scale):

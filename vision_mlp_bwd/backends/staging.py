@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 import warnings
 
 import jax.numpy as jnp
@@ -33,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
-from vision_mlp_bwd.precision import (DotMode, f16_scale, f16_unscale, finite_abs,
-                                      scaled_f16_operand)
+from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, checked_scales, f16_scale,
+                                      f16_unscale, finite_abs, scaled_f16_operand)
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
 
@@ -60,6 +61,16 @@ class Cast:
     with zeros past R), which the engine multiplies its accumulators by. With
     `rows` a copy has that many rows: zeros past x's (the padded operands of
     the Mosaic engine), or x's first rows.
+  - `scales_from`: where those scales come from. `"maxima"`, as above.
+    `"speculated"`: `precision.SPECULATED_SCALE` for every line, no maxima
+    in and no reciprocals out; ask `maxima` for the lines, which a
+    `"checked"` job then takes. `"checked"`: the speculated copies come in
+    too, after the maxima, and are the outputs (aliased); each line keeps the
+    speculated scale where its maximum `fits_speculated` and takes the
+    measured one elsewhere (`precision.checked_scales`), and only the tiles
+    holding such a line are read and written again. So a launch that reads
+    every input once, and a cheap one after it, stand for two full passes
+    wherever the lines fit.
   - `epilogue`: the pass is over `epilogue(x, operand)` (fp32) instead of x, with
     `operand [R', C]` (R' <= R, rows past R' read as zeros) a second input: the
     GELU derivative applied to a product XLA computed, as the engine's epilogue
@@ -89,12 +100,21 @@ class Cast:
   block: tuple[int, int] = (32, 256)
   parts: int = 64
   epilogue: object = None
+  scales_from: str = "maxima"
 
-  aliases = {}
+  @property
+  def maxima_inputs(self) -> int:
+    return 0 if self.scales_from == "speculated" else len(self.scales)
+
+  @property
+  def aliases(self) -> dict[int, int]:
+    if self.scales_from != "checked":
+      return {}
+    return {1 + self.maxima_inputs + i: i for i in range(self.copies)}
 
   @property
   def num_inputs(self) -> int:
-    return 1 + len(self.scales) + (self.epilogue is not None)
+    return 1 + self.maxima_inputs + len(self.aliases) + (self.epilogue is not None)
 
   @property
   def copies(self) -> int:
@@ -118,7 +138,7 @@ class Cast:
 
   @property
   def num_outputs(self) -> int:
-    return self.copies + len(self.scales) + self.sums + len(self.maxima)
+    return self.copies + self.maxima_inputs + self.sums + len(self.maxima)
 
   @property
   def programs(self) -> int:
@@ -127,10 +147,16 @@ class Cast:
   def check(self, operands):
     r, c = self.shape
     assert operands[0].shape == (r, c) and len(operands) == self.num_inputs, (self, operands)
-    for kind, maxima in zip(self.scales, operands[1:]):
-      assert kind in ("columns", "rows") and maxima.ndim == 2 and maxima.shape[1] == (
-          c if kind == "columns" else r), (self, maxima.shape)
+    assert set(self.scales) <= {"columns", "rows"}, self
+    for kind, maxima in zip(self.scales, operands[1:1 + self.maxima_inputs]):
+      assert maxima.ndim == 2 and maxima.shape[1] == (c if kind == "columns" else r), (
+          self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
+    assert self.scales_from in ("maxima", "speculated", "checked"), self
+    if self.scales_from == "checked":
+      assert self.scales and not (self.sums or self.maxima or self.epilogue), self
+      for copy in operands[1 + self.maxima_inputs:]:
+        assert copy.shape == (self.out_rows, c) and copy.dtype == jnp.float16, (self, copy)
     if self.epilogue is not None:
       operand = operands[-1]
       assert not self.scales and operand.ndim == 2 and operand.shape[0] <= r and (
@@ -144,7 +170,7 @@ class Cast:
     shapes = [out_struct((self.out_rows, c), self.out_dtype, like)
               for _ in range(self.copies)]
     shapes += [out_struct((c if kind == "columns" else self.out_rows,), jnp.float32, like)
-               for kind in self.scales]
+               for kind in self.scales[:self.maxima_inputs]]
     if self.sums:
       shapes.append(out_struct((bands, c), jnp.float32, like))
     shapes += [out_struct((bands, c) if kind == "columns" else (col_blocks, r), jnp.float32,
@@ -157,22 +183,49 @@ class Cast:
     band, col_block = program // self.grid[1], program % self.grid[1]
     cols, col_mask = span(col_block, block_cols, c)
     copy_refs, out_refs = out_refs[:self.copies], list(out_refs[self.copies:])
-    unscale_refs, out_refs = out_refs[:len(self.scales)], out_refs[len(self.scales):]
+    unscale_refs = out_refs[:self.maxima_inputs]
+    out_refs = out_refs[self.maxima_inputs:]
     sums_ref = out_refs.pop(0) if self.sums else None
     max_refs = dict(zip(self.maxima, out_refs))
+    checked = self.scales_from == "checked"
+
+    def scales(i, lines, mask, axis, store_unscale):
+      """Copy i's scales of these lines (expanded along `axis`) and (checked) whether every
+      line kept the speculated one; the reciprocals go to `store_unscale`."""
+      if self.scales_from == "speculated":
+        return SPECULATED_SCALE, None
+      largest = _line_maxima(in_refs[1 + i], lines, mask)
+      if checked:
+        scale, unscale, fits = checked_scales(largest)
+        kept = jnp.sum(jnp.where(mask & ~fits, 1, 0)) == 0
+      else:
+        scale, unscale, kept = f16_scale(largest), f16_unscale(largest), None
+      store_unscale(jnp.where(mask, unscale, 0.0))
+      return jnp.expand_dims(scale, axis), kept
+
     col_scales = {}
     for i, kind in enumerate(self.scales):
       if kind == "columns":
-        col_scales[i], unscale = _line_scales(in_refs[1 + i], cols, col_mask)
-
-        @pl.when(band == 0)
-        def _(i=i, unscale=unscale):
-          plgpu.store(unscale_refs[i].at[cols], unscale, mask=col_mask)
+        col_scales[i] = scales(i, cols, col_mask, 0, lambda unscale, i=i: pl.when(band == 0)(
+            lambda: plgpu.store(unscale_refs[i].at[cols], unscale, mask=col_mask)))
 
     def step(s, carry):
       total, largest = carry
       rows, row_mask = span(band * self.steps + s, block_rows, self.out_rows)
       in_x = rows < min(r, self.out_rows)
+      line_scales = [col_scales[i] if i in col_scales else scales(
+          i, rows, in_x, 1, lambda unscale, i=i: pl.when(col_block == 0)(
+              lambda: plgpu.store(unscale_refs[i].at[rows], unscale, mask=row_mask)))
+          for i in range(len(self.scales))]
+      if checked:   # only a tile with a line off the speculated scale is read and written
+        @pl.when(functools.reduce(operator.or_, [~kept for _, kept in line_scales]))
+        def _():
+          x = load_tile(in_refs[0], rows, in_x, cols, col_mask)
+          index, mask = tile_indices(rows, row_mask, cols, col_mask)
+          for copy_ref, (scale, kept) in zip(copy_refs, line_scales):
+            pl.when(~kept)(lambda copy_ref=copy_ref, scale=scale: plgpu.store(
+                copy_ref.at[index], scaled_f16_operand(x, scale), mask=mask))
+        return carry
       x = load_tile(in_refs[0], rows, in_x, cols, col_mask)   # zeros past R
       if self.epilogue is not None:
         operand_ref = in_refs[-1]
@@ -180,18 +233,8 @@ class Cast:
                                        col_mask))
       index, mask = tile_indices(rows, row_mask, cols, col_mask)
       for i, copy_ref in enumerate(copy_refs):
-        if not self.scales:
-          value = x.astype(copy_ref.dtype)
-        elif i in col_scales:
-          value = scaled_f16_operand(x, col_scales[i][None, :])
-        else:
-          row_scale, unscale = _line_scales(in_refs[1 + i], rows, in_x)
-          value = scaled_f16_operand(x, row_scale[:, None])
-
-          @pl.when(col_block == 0)
-          def _(i=i, unscale=unscale, rows=rows, row_mask=row_mask, in_x=in_x):
-            plgpu.store(unscale_refs[i].at[rows], jnp.where(in_x, unscale, 0.0),
-                        mask=row_mask)
+        value = (scaled_f16_operand(x, line_scales[i][0]) if self.scales
+                 else x.astype(copy_ref.dtype))
         plgpu.store(copy_ref.at[index], value, mask=mask)
       if self.sums:
         total = total + jnp.sum(x.astype(jnp.float32), axis=0)
@@ -216,7 +259,7 @@ class Cast:
 
   def finish(self, outs):
     outs = list(outs)
-    count = self.copies + len(self.scales)
+    count = self.copies + self.maxima_inputs
     results, partial = outs[:count], outs[count:]
     if self.finished and self.sums:
       results.append(sum_in_order(partial.pop(0)))
@@ -227,13 +270,12 @@ class Cast:
     return results[0] if len(results) == 1 else tuple(results)
 
 
-def _line_scales(maxima_ref, lines, mask):
-  """(f16 scales, their reciprocals) of these lines, from partial maxima `[P, lines]`."""
+def _line_maxima(maxima_ref, lines, mask):
+  """The maxima of these lines (0 outside `mask`), from partial maxima `[P, lines]`."""
   parts = maxima_ref.shape[0]
   part = jnp.arange(pl.next_power_of_2(parts))
   index, tile_mask = tile_indices(part, part < parts, lines, mask)
-  largest = jnp.max(plgpu.load(maxima_ref.at[index], mask=tile_mask, other=0.0), axis=0)
-  return f16_scale(largest), f16_unscale(largest)
+  return jnp.max(plgpu.load(maxima_ref.at[index], mask=tile_mask, other=0.0), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,10 @@ are its TF32 roundings, scaled; each product is unscaled afterwards
 (exactly: the scales are powers of two), in the engine, which multiplies
 the accumulator by the reciprocal scales. One staging launch finds the
 maxima of the lines each input is scaled along (and grad_output's column
-sums), a second reduces them to the scales and writes the scaled f16 copies
-and the reciprocal scales. The
+sums) on the read that writes its f16 copies, scaled by a speculated power
+of two; a second reduces the maxima to the scales and the reciprocal scales,
+and copies again only the tiles of lines that the speculated scale does not
+fit. The
 pre-GELU product's epilogue then runs on unscaled values, as on 16-bit
 products; its output stays fp32. It also returns the bias gradient (the
 sums of its fp32 columns) and the largest |value| of each row and column,
@@ -49,7 +51,6 @@ summed and written in one launch at the end (`engine.write_tails`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import pathlib
 
@@ -271,28 +272,29 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
                          row_scale=a_unscale, col_scale=b_unscale,
                          defer_tail="epilogue" not in options, **options)
 
-  # One pass over every input for its line maxima (and grad_output's column sums, the bias
-  # gradient), as partial rows: grad_output's columns and rows, the others' columns (the
-  # lines they are scaled along); one for the scaled f16 copies the products read, which
-  # reduces the maxima to the scales and the reciprocals the engine unscales by.
-  inputs = (grad_output, gelu_output, hidden_state, fc1_weight, fc2_weight)
-  (fc2_bias_parts, *dy_maxima), gelu_maxima, x_maxima, w1_maxima, w2_maxima = launch(
-      [(Cast(x.shape, None, sums=x is grad_output, finished=False,
-             maxima=("columns", "rows") if x is grad_output else ("columns",)), (x,))
-       for x in inputs], "mlp_backward_maxima")
-  scaled = functools.partial(Cast, out_dtype=f16, parts=SCALED_COPY_PARTS)
-  by_columns = lambda x, rows=0: scaled(x.shape, rows=rows, scales=("columns",))
-  # In the reverse of the maxima launch's order: what it read last is still in L2, and
-  # grad_output's and gelu_output's copies, which the first product reads, are written last.
+  # One pass over every input: its f16 copies scaled by the speculated power of two, the
+  # maxima of the lines they are scaled along (grad_output's columns and rows, the others'
+  # columns) and grad_output's column sums (the bias gradient), as partial rows. Then one
+  # that reduces the maxima to the scales and their reciprocals, and copies again only the
+  # tiles of the lines whose maxima the speculated scale does not fit
+  # (`precision.fits_speculated`). The first product's operands, the copies of grad_output
+  # and gelu_output, are written last.
+  staged = ((fc2_weight, 0, ("columns",)), (fc1_weight, 0, ("columns",)),   # (input, rows,
+             (hidden_state, padded, ("columns",)), (gelu_output, padded, ("columns",)),
+             (grad_output, padded, ("columns", "rows")))   # the lines it is scaled along)
+  copy = lambda x, rows, lines, **options: Cast(x.shape, f16, rows=rows, scales=lines,
+                                                parts=SCALED_COPY_PARTS, **options)
+  speculated = launch([(copy(x, rows, lines, scales_from="speculated", maxima=lines,
+                             sums=i == len(staged) - 1, finished=False), (x,))   # grad_output's
+                       for i, (x, rows, lines) in enumerate(staged)], "mlp_backward_staging")
+  *_, fc2_bias_parts, _, _ = speculated[-1]
+  checked = launch(
+      [(copy(x, rows, lines, scales_from="checked"),
+        (x, *outs[-len(lines):], *outs[:len(lines)]))   # the maxima, then the copies
+       for (x, rows, lines), outs in zip(staged, speculated)]
+      + [(staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_scales")
   ((w2, w2_unscale), (w1, w1_unscale), (x16, x_unscale), (gelu16, gelu_unscale),
-   (dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), grad_fc2_bias) = launch([
-      (by_columns(fc2_weight), (fc2_weight, w2_maxima)),
-      (by_columns(fc1_weight), (fc1_weight, w1_maxima)),
-      (by_columns(hidden_state, padded), (hidden_state, x_maxima)),
-      (by_columns(gelu_output, padded), (gelu_output, gelu_maxima)),
-      (scaled(grad_output.shape, rows=padded, scales=("columns", "rows")),
-       (grad_output, *dy_maxima)),
-      (staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_staging")
+   (dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), grad_fc2_bias) = checked
   grad_fc2_weight = product(dy_by_column, dy_column_unscale, gelu16, gelu_unscale,
                             weight_config, transpose_a=True)
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
@@ -303,7 +305,8 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
       epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
       approx_math=True, partial_reductions=True)
   [(pre_by_column, pre_by_row, pre_column_unscale, pre_row_unscale), grad_fc1_bias] = launch(
-      [(scaled(grad_pre.shape, scales=("columns", "rows")), (grad_pre, *pre_maxima)),
+      [(Cast(grad_pre.shape, f16, scales=("columns", "rows"), parts=SCALED_COPY_PARTS),
+        (grad_pre, *pre_maxima)),
        (staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_copies")
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
