@@ -143,7 +143,8 @@ def test_cast_line_maxima_and_scaled_f16_copies(shape):
 
 
 @pytest.mark.parametrize("shape", [(45, 70), (700, 40)])   # one tile per band; bands of tiles
-def test_speculated_scales_checked_in_a_second_launch(shape):
+@pytest.mark.parametrize("lines", [("columns", "rows"), ("columns",)])
+def test_speculated_scales_checked_in_a_second_launch(shape, lines):
   """A speculated copy (every line scaled by `SPECULATED_SCALE`, its maxima and column sums
   on the same read) and the checked job after it: each line keeps the speculated scale
   where its maximum fits and takes the measured one elsewhere, bitwise
@@ -155,36 +156,35 @@ def test_speculated_scales_checked_in_a_second_launch(shape):
   x = x.at[20, 3].set(2.0 ** 12).at[:, 30].multiply(2.0 ** -16).at[33].multiply(2.0 ** -30)
   x = x.at[:, 17].set(0.0)   # column 3), below it (column 30, row 33); a zero column fits
   x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)
-  rows, lines = shape[0] + 3, ("columns", "rows")
+  rows = shape[0] + 3
   job = staging.Cast(x.shape, jnp.dtype(jnp.float16), rows=rows, scales=lines, block=(8, 32))
   speculated = dataclasses.replace(job, scales_from="speculated", maxima=lines, sums=True,
                                    finished=False)
-  by_column, by_row, sum_parts, *maxima = staging.grouped_launch(
-      [speculated], [(x,)], mode=DotMode.TF32, interpret=True)[0]
+  [out] = staging.grouped_launch([speculated], [(x,)], mode=DotMode.TF32, interpret=True)
+  copies, sum_parts, maxima = out[:len(lines)], out[len(lines)], out[len(lines) + 1:]
   _assert_column_sums(sum_in_order(sum_parts), x)
-  for copy in (by_column, by_row):
+  for copy in copies:
     chex.assert_trees_all_equal(copy[:shape[0]], precision.scaled_f16_operand(
         x, precision.SPECULATED_SCALE))
     chex.assert_trees_all_equal(copy[shape[0]:], jnp.zeros((3, shape[1]), jnp.float16))
   v = np.asarray(x, np.float64)
   finite = np.where(np.isfinite(v), np.abs(v), 0.0)
-  column_max, row_max = (jnp.asarray(finite.max(axis=a), jnp.float32) for a in (0, 1))
+  line_maxima = {"columns": finite.max(axis=0), "rows": finite.max(axis=1)}
   checked = dataclasses.replace(job, scales_from="checked")
-  poisoned = jnp.full((rows, shape[1]), jnp.nan, jnp.float16)
-  for copies in ((by_column, by_row), (poisoned, poisoned)):
-    [(ours_by_column, ours_by_row, column_unscale, row_unscale)] = staging.grouped_launch(
-        [checked], [(x, *maxima, *copies)], mode=DotMode.TF32, interpret=True)
-    want = []
-    for line_max, axis, unscale in ((column_max, 0, column_unscale),
-                                    (row_max, 1, row_unscale)):
-      scale, reciprocal, fits = precision.checked_scales(line_max)
+  poisoned = [jnp.full((rows, shape[1]), jnp.nan, jnp.float16)] * len(lines)
+  for given in (copies, poisoned):
+    [ours] = staging.grouped_launch([checked], [(x, *maxima, *given)], mode=DotMode.TF32,
+                                    interpret=True)
+    for copy, unscale, kind in zip(ours[:len(lines)], ours[len(lines):], lines):
+      axis = 0 if kind == "columns" else 1
+      scale, reciprocal, fits = precision.checked_scales(
+          jnp.asarray(line_maxima[kind], jnp.float32))
       assert not np.all(fits) and np.any(fits), "lines on and off the speculated scale"
       chex.assert_trees_all_equal(unscale, jnp.pad(reciprocal, (0, rows - reciprocal.size))
                                   if axis == 1 else reciprocal)
-      want.append((precision.scaled_f16_operand(x, jnp.expand_dims(scale, axis)), fits, axis))
-    for copy, (value, fits, axis) in zip((ours_by_column, ours_by_row), want):
+      value = precision.scaled_f16_operand(x, jnp.expand_dims(scale, axis))
       chex.assert_shape(copy, (rows, shape[1]))
-      if copies[0] is not poisoned:
+      if given is copies:
         chex.assert_trees_all_equal(copy[:shape[0]], value)
         chex.assert_trees_all_equal(copy[shape[0]:], jnp.zeros((3, shape[1]), jnp.float16))
         continue
@@ -193,8 +193,8 @@ def test_speculated_scales_checked_in_a_second_launch(shape):
       off = np.repeat(np.add.reduceat(~np.asarray(fits), np.arange(0, fits.size, block)) > 0,
                       block)[:fits.size]
       written = ~np.isnan(np.asarray(copy[:shape[0]], np.float32))
-      finite = ~np.isnan(np.asarray(value, np.float32))
-      np.testing.assert_array_equal(written, np.expand_dims(off, axis) & finite)
+      is_number = ~np.isnan(np.asarray(value, np.float32))
+      np.testing.assert_array_equal(written, np.expand_dims(off, axis) & is_number)
       np.testing.assert_array_equal(np.asarray(copy[:shape[0]])[written],
                                     np.asarray(value)[written])
 

@@ -82,7 +82,8 @@ class Cast:
 
   A program covers `block[1]` columns and, when it reduces or scales, a band
   of `block[0]`-row tiles (at most `parts` bands: few partial sums to add,
-  column scales found once per band), one tile otherwise. Its partial sums
+  column scales found once per band), one tile otherwise (and in a checked
+  job with row scales). Its partial sums
   are added in band order (unless `finished=False`: then the sums
   `[bands, C]` and maxima `[bands, C]`, `[column blocks, R]` are returned as
   partial rows, for a later launch to reduce). Returns the copies, the reciprocal
@@ -128,6 +129,8 @@ class Cast:
   def steps(self) -> int:
     """Row tiles per program."""
     tiles = pl.cdiv(self.out_rows, self.block[0])
+    if self.scales_from == "checked" and "rows" in self.scales:
+      return 1   # a tile's row maxima are a load: one per program, not a chain of them
     return pl.cdiv(tiles, self.parts) if self.sums or self.maxima or self.scales else 1
 
   @property
