@@ -56,6 +56,9 @@ def main(argv=None):
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--size", default=f"{cases.HIDDEN}x{cases.INTERMEDIATE}",
                       help="HxI (multiples of 64)")
+  parser.add_argument("--grad-output-scale", type=float, default=1.0,
+                      help="multiplies grad_output (e.g. 2**-20, a loss gradient's magnitude: "
+                           "under DEFAULT, outside the speculated scale's window)")
   parser.add_argument("--out", default=todays_runs_dir())
   args = parser.parse_args(argv)
 
@@ -70,6 +73,7 @@ def main(argv=None):
   for tokens in args.seq_lens:
     inputs = tuple(x.astype(dtype) for x in cases.make_inputs(jax.random.key(tokens), tokens,
                                                               hidden, intermediate))
+    inputs = (inputs[0] * jnp.asarray(args.grad_output_scale, dtype), *inputs[1:])
     problem = Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
     first = None
     for variant in variants:
@@ -104,7 +108,7 @@ def main(argv=None):
       print(f"S={tokens:6d} {json.dumps(variant):50s} {t.median_us:8.1f} us  largest kernel "
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
-                    rows=rows)
+                    grad_output_scale=args.grad_output_scale, rows=rows)
 
 
 def _varied(config, fields):

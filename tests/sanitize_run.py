@@ -10,7 +10,7 @@
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
 the f16 engine) and under F16_F16_F32, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`). XLA's autotuning of its dots under memcheck
+`fp32-default`, `fp32-f16`, `bf16`, and `fp32-default-off-window`). XLA's autotuning of its dots under memcheck
 takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
 run, not our kernels.
 """
@@ -25,7 +25,9 @@ from tests import helpers
 
 F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
-        "bf16": (jnp.bfloat16, None)}
+        "bf16": (jnp.bfloat16, None),
+        # DEFAULT's checked scales copying tiles again (`helpers.off_the_speculated_scale`)
+        "fp32-default-off-window": (jnp.float32, None)}
 IMPLEMENTATIONS = {"triton": ("fp32-default", "fp32-f16"),
                    "mosaic": ("fp32-default", "fp32-f16", "bf16")}
 
@@ -38,6 +40,8 @@ for tokens in args.seq_lens:
   for run in args.runs or IMPLEMENTATIONS[args.implementation]:
     dtype, precision = RUNS[run]
     inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
+    if run.endswith("off-window"):
+      inputs = helpers.off_the_speculated_scale(inputs)
     jax.block_until_ready(vision_mlp_bwd.mlp_backward(*inputs, precision=precision,
                                                       implementation=args.implementation))
     print(f"S={tokens} {jnp.dtype(dtype).name} {precision}: ran", flush=True)

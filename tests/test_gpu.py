@@ -242,11 +242,7 @@ def test_mosaic_tf32_with_lines_off_the_speculated_scale(tokens):
   elementwise bounds (a column scaled up dominates its gradients' norms, where TF32's
   cancellation error can pass the relative Frobenius tolerance) and bit for bit the same on
   a second call."""
-  inputs = list(helpers.backward_inputs(tokens, 1280, 3584))
-  inputs[0] = inputs[0] * 2.0 ** -24
-  for j in (1, 2, 4, 7):   # hidden_state, fc1_weight, fc2_weight, gelu_output
-    inputs[j] = inputs[j].at[:, 5].multiply(2.0 ** 8)
-  inputs[1] = inputs[1].at[tokens // 2].multiply(2.0 ** -20)
+  inputs = helpers.off_the_speculated_scale(helpers.backward_inputs(tokens, 1280, 3584))
   outs = _mosaic_backward(inputs, None)
   bounds.check_backward(outs, inputs, None, f"mosaic tf32 off the speculated scale S={tokens}",
                         relative=False)

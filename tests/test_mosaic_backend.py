@@ -282,6 +282,20 @@ def test_tf32_on_the_f16_engine_within_the_tf32_operand_bounds(monkeypatch, toke
   bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, f"tf32 S={tokens}")
 
 
+@pytest.mark.transcendental
+def test_tf32_on_the_f16_engine_with_lines_off_the_speculated_scale(monkeypatch):
+  """DEFAULT on inputs whose lines the speculated scale does not all fit
+  (`helpers.off_the_speculated_scale`: the checked launch copies their tiles again),
+  within `bounds.tf32_on_f16_oracle_and_bounds`."""
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  inputs = helpers.off_the_speculated_scale(helpers.backward_inputs(200, 128, 256))
+  problem = _problem(200, jnp.float32, DotMode.TF32, 128, 256)
+  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))(
+      *inputs)
+  oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
+  bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, "tf32 off the window")
+
+
 def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkeypatch):
   """A NaN or Inf in a row or column leaves its scale to the line's finite values (the
   staging launch's maxima) or gives it that of a non-finite maximum (the pre-GELU
