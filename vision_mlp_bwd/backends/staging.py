@@ -105,6 +105,8 @@ class Cast:
 
   @property
   def maxima_inputs(self) -> int:
+    """Partial maxima in, and reciprocal scales out: one each per scaled copy, none when
+    the scales are speculated."""
     return 0 if self.scales_from == "speculated" else len(self.scales)
 
   @property
