@@ -237,8 +237,9 @@ def test_mosaic_backend_within_bounds_and_deterministic(tokens, dtype, precision
 @pytest.mark.parametrize("tokens", [333, 2500])
 def test_mosaic_tf32_with_lines_off_the_speculated_scale(tokens):
   """DEFAULT where the speculated scale does not fit every line: grad_output wholly below its
-  window (a loss gradient's magnitude), a column of each other input above it and a row of
-  hidden_state below it, so the checked launch copies their tiles again. Within the
+  window (a loss gradient's magnitude), a column of hidden_state and of gelu_output above
+  it and a row of hidden_state below it (`helpers.off_the_speculated_scale`), so the
+  checked launch copies their tiles again. Within the
   elementwise bounds (a column scaled up dominates its gradients' norms, where TF32's
   cancellation error can pass the relative Frobenius tolerance) and bit for bit the same on
   a second call."""
