@@ -66,7 +66,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from vision_mlp_bwd.precision import SPECULATED_SCALE, DotMode, canonicalize
+from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, canonicalize,
+                                      sample_speculated_scale)
 
 OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
              "grad_fc2_bias")
@@ -449,18 +450,24 @@ def f16_scaled_etas(inputs):
 
   An element far below its row's or column's largest falls into f16's subnormals, spacing
   2^-24 in scaled units, where it can differ from its TF32 rounding by 2^-24 / scale:
-  measured scales bring maxima to [2^14, 2^15), so eta <= 2^-38 max|x|; the speculated
-  scale 2^10 (`precision.SPECULATED_SCALE`: the weights' on the Triton backend, any line's
-  that fits it on the Mosaic one) gives 2^-34; the pre-GELU gradient's f16 copy is scaled
-  by the bound 2 H max|grad_output| max|fc2_weight| on its columns (its row maxima are
-  below that).
+  measured scales bring maxima to [2^14, 2^15), so eta <= 2^-38 max|x|; a speculated
+  scale gives 2^-24 over it: 2^-34 for `precision.SPECULATED_SCALE` (the weights' on the
+  Triton backend), and on the Mosaic one each input's `precision.sample_speculated_scale`
+  (the pre-GELU gradient's copies take grad_output's); the Triton backend measures the
+  activations' scales. The pre-GELU gradient's measured
+  scales follow the bound 2 H max|grad_output| max|fc2_weight| on its lines.
   """
   dy, hs, w1, _, w2, _, _, a = (f64(t) for t in inputs)
   top = lambda v: float(np.max(np.abs(v), initial=0.0, where=np.isfinite(v)))
-  eta = {name: max(2.0 ** -24 / SPECULATED_SCALE, 2.0 ** -38 * top(v))
+  speculated = lambda v: float(sample_speculated_scale(
+      jnp.asarray(v.reshape(-1, v.shape[-1]), jnp.float32)))
+  weights = ("fc1_weight", "fc2_weight")
+  eta = {name: max(2.0 ** -24 / (min(SPECULATED_SCALE, speculated(v)) if name in weights
+                                 else speculated(v)), 2.0 ** -38 * top(v))
          for name, v in (("grad_output", dy), ("hidden_state", hs), ("gelu_output", a),
                          ("fc1_weight", w1), ("fc2_weight", w2))}
-  return eta, 2.0 ** -38 * 2 * dy.shape[-1] * top(dy) * top(w2)
+  return eta, max(2.0 ** -24 / speculated(dy),
+                  2.0 ** -38 * 2 * dy.shape[-1] * top(dy) * top(w2))
 
 
 def tf32_on_f16_oracle_and_bounds(inputs, platform=None):

@@ -53,16 +53,18 @@ def backward_inputs(tokens, hidden, intermediate, dtype=jnp.float32, key=None, b
 
 
 def off_the_speculated_scale(inputs):
-  """`backward_inputs` with lines outside `precision.SPECULATED_SCALE`'s window: grad_output
-  wholly below it (a loss gradient's magnitude), column 5 of hidden_state and gelu_output
-  above it, the middle row of hidden_state below it. Column 5 of each weight is scaled by
-  2^8 too: above the window at H, I = 128, 256 (fc2_weight's only just, its maximum near
-  2^5), inside it at 1280 x 3584 (maxima ~27 and ~19)."""
+  """`backward_inputs` with lines outside `precision.SPECULATED_SCALE`'s window:
+  grad_output wholly below it (a loss gradient's magnitude, which its speculated scale
+  follows, `precision.speculated_scale`) but for its middle row, 2^16 above the rest;
+  column 5 of hidden_state, fc1_weight, fc2_weight and gelu_output below the window,
+  and the middle row of hidden_state too (the samples the scales follow, the first 8
+  rows, keep the window)."""
   inputs = list(inputs)
-  inputs[0] = inputs[0] * 2.0 ** -24
+  middle = inputs[0].shape[0] // 2
+  inputs[0] = (inputs[0] * 2.0 ** -24).at[middle].multiply(2.0 ** 16)
   for j in (1, 2, 4, 7):
-    inputs[j] = inputs[j].at[:, 5].multiply(2.0 ** 8)
-  inputs[1] = inputs[1].at[inputs[1].shape[0] // 2].multiply(2.0 ** -20)
+    inputs[j] = inputs[j].at[:, 5].multiply(2.0 ** -16)
+  inputs[1] = inputs[1].at[middle].multiply(2.0 ** -20)
   return tuple(inputs)
 
 

@@ -10,9 +10,9 @@
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
 the f16 engine) and under F16_F16_F32, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`, and `fp32-default-off-window`). XLA's
-autotuning of its dots under memcheck takes minutes at S ~ 1000: turning it off
-(above) changes which cuBLAS kernels run, not our kernels.
+`fp32-default`, `fp32-f16`, `bf16`, and `fp32-default-off-window`). XLA's autotuning of its dots under memcheck
+takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
+run, not our kernels.
 """
 
 import argparse

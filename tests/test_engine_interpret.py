@@ -24,7 +24,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from vision_mlp_bwd import reference
+from vision_mlp_bwd import precision, reference
 from vision_mlp_bwd.backends.mosaic import engine
 
 interpret_params = pytest.importorskip("jax._src.pallas.mosaic_gpu.interpret.params",
@@ -174,3 +174,29 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound():
   error = np.abs(np.asarray(out, np.float64) - exact)
   assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
 
+
+
+@pytest.mark.transcendental
+def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
+  """`speculated_copies`: each f16 copy is bitwise `scaled_f16_operand` of the fp32 values
+  the fused epilogue stores, times `copy_scale` per column (every element written:
+  unwritten ones read NaN), from pieces of 32 f16 columns (the TF32 pre-GELU config's, a
+  64-byte swizzle), over 2 x 2 blocks on 3 programs."""
+  m, k, n = 256, 128, 256
+  config = C(tile_n=64, stages=2, epilogue_tile=(64, 32), epilogue_buffers=1)
+  keys = jax.random.split(jax.random.key(23), 3)
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 2.0 ** -6
+  x = jax.random.normal(keys[2], (m, n), jnp.float32) * 3
+  copy_scale = jnp.exp2(-2.0 + jnp.arange(n) // 16)   # 2^-2 to 2^13, one per 16 columns
+  out, *copies = engine.matmul(a, b, config=config, num_programs=3, out_dtype=jnp.float32,
+                               epilogue=reference.gelu_backward, epilogue_operand=x,
+                               speculated_copies=2, copy_scale=copy_scale,
+                               interpret=interpret_params.InterpretGPUParams())
+  exact, bound = _exact_and_bound(a, b, x, jnp.float32)
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
+  want = precision.scaled_f16_operand(out, copy_scale)
+  assert len(copies) == 2
+  for copy in copies:
+    assert copy.dtype == jnp.float16 and copy.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))

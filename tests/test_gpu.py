@@ -236,13 +236,13 @@ def test_mosaic_backend_within_bounds_and_deterministic(tokens, dtype, precision
 
 @pytest.mark.parametrize("tokens", [333, 2500])
 def test_mosaic_tf32_with_lines_off_the_speculated_scale(tokens):
-  """DEFAULT where the speculated scale does not fit every line: grad_output wholly below its
-  window (a loss gradient's magnitude), a column of hidden_state and of gelu_output above
-  it and a row of hidden_state below it (`helpers.off_the_speculated_scale`), so the
-  checked launch copies their tiles again. Within the
-  elementwise bounds (a column scaled up dominates its gradients' norms, where TF32's
-  cancellation error can pass the relative Frobenius tolerance) and bit for bit the same on
-  a second call."""
+  """DEFAULT where the speculated scale does not fit every line (`helpers.
+  off_the_speculated_scale`): grad_output wholly below its window (a loss gradient's
+  magnitude, which its speculated scale follows) but for a row 2^16 above the rest, a
+  column of each other input and a row of hidden_state below it, so the checked launches
+  copy their tiles again. Within the elementwise bounds (the row scaled up dominates its
+  gradients' norms, where TF32's cancellation error can pass the relative Frobenius
+  tolerance) and bit for bit the same on a second call."""
   inputs = helpers.off_the_speculated_scale(helpers.backward_inputs(tokens, 1280, 3584))
   outs = _mosaic_backward(inputs, None)
   bounds.check_backward(outs, inputs, None, f"mosaic tf32 off the speculated scale S={tokens}",

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from vision_mlp_bwd import precision
 from vision_mlp_bwd.backends import mosaic
 from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
 from vision_mlp_bwd.precision import DotMode
@@ -183,7 +184,8 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
-                col_scale=None, partial_reductions=False, out_rows=None, **_):
+                col_scale=None, partial_reductions=False, out_rows=None, speculated_copies=0,
+                copy_scale=None, **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
   partial reductions as one part each)."""
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
@@ -202,7 +204,9 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
     extra += (jnp.max(jnp.abs(value), 0), jnp.max(jnp.abs(value), 1))
   if partial_reductions:
     extra = tuple(x[None] for x in extra)
-  return (out, *extra) if extra else out
+  copies = ((precision.scaled_f16_operand(value, copy_scale)[:out_rows],) * speculated_copies
+            if speculated_copies else ())
+  return (out, *copies, *extra) if extra or copies else out
 
 
 @pytest.mark.transcendental

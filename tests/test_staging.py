@@ -144,28 +144,32 @@ def test_cast_line_maxima_and_scaled_f16_copies(shape):
 
 @pytest.mark.parametrize("shape", [(45, 70), (700, 40)])   # one tile per band; bands of tiles
 @pytest.mark.parametrize("lines", [("columns", "rows"), ("columns",)])
-def test_speculated_scales_checked_in_a_second_launch(shape, lines):
-  """A speculated copy (every line scaled by `SPECULATED_SCALE`, its maxima and column sums
-  on the same read) and the checked job after it: each line keeps the speculated scale
-  where its maximum fits and takes the measured one elsewhere, bitwise
+@pytest.mark.parametrize("magnitude", [1.0, 2.0 ** -24])   # N(0, 1); a loss gradient's
+def test_speculated_scales_checked_in_a_second_launch(shape, lines, magnitude):
+  """A speculated copy (every line scaled by `precision.sample_speculated_scale` of x: 2^10
+  for N(0, 1), one that follows smaller inputs; its maxima and column sums on the same
+  read) and the checked job after it: each line keeps the speculated scale where its
+  maximum fits and takes the measured one elsewhere, bitwise
   `precision.scaled_f16_operand`'s rounding by `precision.checked_scales`, with the
   reciprocals (zero past x's rows). The checked job rewrites exactly the tiles holding a
   line off the speculated scale: given NaN copies, every other tile stays NaN."""
   key = helpers.fresh_key()
   x = jax.random.normal(key, shape)   # maxima in the window, but: lines above it (row 20,
   x = x.at[20, 3].set(2.0 ** 12).at[:, 30].multiply(2.0 ** -16).at[33].multiply(2.0 ** -30)
-  x = x.at[:, 17].set(0.0)   # column 3), below it (column 30, row 33); a zero column fits
-  x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)
+  x = x.at[:, 17].set(0.0) * magnitude   # column 3), below it (column 30, row 33); a zero
+  x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)   # column fits
+  speculated_scale = precision.sample_speculated_scale(x)
+  assert (speculated_scale == precision.SPECULATED_SCALE) == (magnitude == 1.0)
   rows = shape[0] + 3
   job = staging.Cast(x.shape, jnp.dtype(jnp.float16), rows=rows, scales=lines, block=(8, 32))
   speculated = dataclasses.replace(job, scales_from="speculated", maxima=lines, sums=True,
                                    finished=False)
-  [out] = staging.grouped_launch([speculated], [(x,)], mode=DotMode.TF32, interpret=True)
+  [out] = staging.grouped_launch([speculated], [(x, x)], mode=DotMode.TF32, interpret=True)
   copies, sum_parts, maxima = out[:len(lines)], out[len(lines)], out[len(lines) + 1:]
   _assert_column_sums(sum_in_order(sum_parts), x)
   for copy in copies:
     chex.assert_trees_all_equal(copy[:shape[0]], precision.scaled_f16_operand(
-        x, precision.SPECULATED_SCALE))
+        x, speculated_scale))
     chex.assert_trees_all_equal(copy[shape[0]:], jnp.zeros((3, shape[1]), jnp.float16))
   v = np.asarray(x, np.float64)
   finite = np.where(np.isfinite(v), np.abs(v), 0.0)
@@ -173,12 +177,13 @@ def test_speculated_scales_checked_in_a_second_launch(shape, lines):
   checked = dataclasses.replace(job, scales_from="checked")
   poisoned = [jnp.full((rows, shape[1]), jnp.nan, jnp.float16)] * len(lines)
   for given in (copies, poisoned):
-    [ours] = staging.grouped_launch([checked], [(x, *maxima, *given)], mode=DotMode.TF32,
-                                    interpret=True)
+    given_scale = jnp.full((16,), speculated_scale)   # as a `SpeculatedScale` leaves it
+    [ours] = staging.grouped_launch([checked], [(x, *maxima, *given, given_scale)],
+                                    mode=DotMode.TF32, interpret=True)
     for copy, unscale, kind in zip(ours[:len(lines)], ours[len(lines):], lines):
       axis = 0 if kind == "columns" else 1
       scale, reciprocal, fits = precision.checked_scales(
-          jnp.asarray(line_maxima[kind], jnp.float32))
+          jnp.asarray(line_maxima[kind], jnp.float32), speculated_scale)
       assert not np.all(fits) and np.any(fits), "lines on and off the speculated scale"
       chex.assert_trees_all_equal(unscale, jnp.pad(reciprocal, (0, rows - reciprocal.size))
                                   if axis == 1 else reciprocal)
@@ -197,6 +202,26 @@ def test_speculated_scales_checked_in_a_second_launch(shape, lines):
       np.testing.assert_array_equal(written, np.expand_dims(off, axis) & is_number)
       np.testing.assert_array_equal(np.asarray(copy[:shape[0]])[written],
                                     np.asarray(value)[written])
+
+
+@pytest.mark.parametrize("shape, magnitude", [((45, 70), 1.0), ((5, 300), 2.0 ** -24),
+                                               ((300, 5), 2.0 ** 9), ((40, 200), 0.0)])
+def test_speculated_scale_follows_the_sample(shape, magnitude):
+  """`SpeculatedScale`'s vector is `precision.sample_speculated_scale` of x in every element:
+  `SPECULATED_SCALE` where the sample (first 8 rows, 128 columns; fewer in a smaller x)
+  fits it, else the power of two that brings the sample's largest finite |x| to
+  [2^12, 2^13). A larger value past the sample (row 20, column 200) changes nothing."""
+  x = jax.random.normal(helpers.fresh_key(), shape) * magnitude
+  x = x.at[1, 2].set(jnp.nan).at[-1, -1].set(2.0 ** 20)
+  job = staging.SpeculatedScale(shape, size=1500)
+  (vector,) = staging.grouped_launch([job], [(x,)], mode=None, interpret=True)
+  want = precision.sample_speculated_scale(x)
+  chex.assert_trees_all_equal(vector, jnp.full((1500,), want))
+  sample_max = float(np.nanmax(np.abs(np.asarray(x[:8, :128]))))
+  if magnitude in (1.0, 0.0):
+    assert want == precision.SPECULATED_SCALE
+  else:
+    assert 2.0 ** 12 <= sample_max * float(want) < 2.0 ** 13, (sample_max, want)
 
 
 @pytest.mark.parametrize("parts", [1, 2, 8, 9, 17, 64])

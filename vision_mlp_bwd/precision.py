@@ -220,22 +220,41 @@ def _power_of_two(exponent):
 # [1, 2^15). There, elements within 2^14 of the maximum convert exactly and
 # the others are off by at most 2^-25 of it, 2^-14 of TF32's own rounding
 # error on the maximum. A kernel that finds a line outside redoes it with
-# `f16_scale`.
+# `f16_scale`. An input whose first rows and columns (`SPECULATION_SAMPLE`) lie
+# outside, a loss gradient of magnitude 2^-20 say, has its guess follow them:
+# `speculated_scale`.
 SPECULATED_SCALE = 2.0 ** 10
+SPECULATION_SAMPLE = (8, 128)
+_SAMPLE_TOP_EXPONENT = 12
 
 
-def fits_speculated(max_abs):
-  """Whether lines with these finite maxima may take `SPECULATED_SCALE` (0 fits too)."""
-  scaled = max_abs * SPECULATED_SCALE
+def fits_speculated(max_abs, speculated=SPECULATED_SCALE):
+  """Whether lines with these finite maxima may take the `speculated` scale (0 fits too)."""
+  scaled = max_abs * speculated
   return (max_abs == 0.0) | ((scaled >= 1.0) & (scaled < 2.0 ** 15))
 
 
-def checked_scales(max_abs):
+def speculated_scale(sample_max):
+  """The speculated scale of an input whose sample (`SPECULATION_SAMPLE`) has this largest
+  finite |x|: `SPECULATED_SCALE` where the sample fits it, else the power of two that
+  brings the sample's largest to [2^12, 2^13), so that lines from 2^-12 to 2^3 of it fit."""
+  exponent = _f16_scale_exponent(sample_max) - F16_SCALE_TOP_EXPONENT + _SAMPLE_TOP_EXPONENT
+  return jnp.where(fits_speculated(sample_max), SPECULATED_SCALE,
+                   _power_of_two(jnp.clip(exponent, -126, 126)))
+
+
+def sample_speculated_scale(x):
+  """`speculated_scale` of a 2-D array's sample, its first rows and columns."""
+  rows, cols = SPECULATION_SAMPLE
+  return speculated_scale(jnp.max(finite_abs(x[:rows, :cols]), initial=0.0))
+
+
+def checked_scales(max_abs, speculated=SPECULATED_SCALE):
   """(scales, their reciprocals, which lines fit) for lines with these finite maxima:
-  `SPECULATED_SCALE` where `fits_speculated`, `f16_scale` elsewhere."""
-  fits = fits_speculated(max_abs)
-  return (jnp.where(fits, SPECULATED_SCALE, f16_scale(max_abs)),
-          jnp.where(fits, 1.0 / SPECULATED_SCALE, f16_unscale(max_abs)), fits)
+  the `speculated` scale where `fits_speculated`, `f16_scale` elsewhere."""
+  fits = fits_speculated(max_abs, speculated)
+  return (jnp.where(fits, speculated, f16_scale(max_abs)),
+          jnp.where(fits, 1.0 / speculated, f16_unscale(max_abs)), fits)
 
 
 def scaled_f16_operand(x, scale):

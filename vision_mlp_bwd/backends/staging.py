@@ -5,7 +5,8 @@ concatenation of their programs, each program runs the body of the job it
 belongs to. A job is a `Cast` (one pass over an input: its 16-bit copies,
 plain or scaled by powers of two per column or row, with zero rows
 appended, its column sums and line maxima on the way, or the same over an
-elementwise epilogue of it), `TailSum` (a split product's last blocks summed
+elementwise epilogue of it), `SpeculatedScale` (the scale such a copy
+speculates, as a vector), `TailSum` (a split product's last blocks summed
 in place), `SumRows` (partial sums added in order), `Zeros` (arrival
 counters),
 `Scales` (the Triton backend's TF32 staging: the largest magnitudes along
@@ -34,8 +35,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
-from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, checked_scales, f16_scale,
-                                      f16_unscale, finite_abs, scaled_f16_operand)
+from vision_mlp_bwd.precision import (SPECULATION_SAMPLE, DotMode, checked_scales, f16_scale,
+                                      f16_unscale, finite_abs, scaled_f16_operand,
+                                      speculated_scale)
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
 
@@ -62,10 +64,13 @@ class Cast:
     `rows` a copy has that many rows: zeros past x's (the padded operands of
     the Mosaic engine), or x's first rows.
   - `scales_from`: where those scales come from. `"maxima"`, as above.
-    `"speculated"`: `precision.SPECULATED_SCALE` for every line, no maxima
-    in and no reciprocals out; ask `maxima` for the lines, which a
-    `"checked"` job then takes. `"checked"`: the speculated copies come in
-    too, after the maxima, and are the outputs (aliased); each line keeps the
+    `"speculated"`: one scale for every line, `precision.speculated_scale` of
+    a sample (the first rows and columns of the last input, x itself or the
+    array whose magnitudes x follows), no maxima in and no reciprocals out;
+    ask `maxima` for the lines, which a `"checked"` job then takes.
+    `"checked"`: the speculated copies come in too, after the maxima, and are
+    the outputs (aliased), and last the speculated scale (a `SpeculatedScale`
+    vector, read once per program); each line keeps the
     speculated scale where its maximum `fits_speculated` and takes the
     measured one elsewhere (`precision.checked_scales`), and only the tiles
     holding such a line are read and written again. So a launch that reads
@@ -104,6 +109,12 @@ class Cast:
   scales_from: str = "maxima"
 
   @property
+  def speculated(self) -> bool:
+    """Whether the scales are speculated: from a sample, or (checked) as given (the last
+    input either way)."""
+    return self.scales_from in ("speculated", "checked")
+
+  @property
   def maxima_inputs(self) -> int:
     """Partial maxima in, and reciprocal scales out: one each per scaled copy, none when
     the scales are speculated."""
@@ -117,7 +128,8 @@ class Cast:
 
   @property
   def num_inputs(self) -> int:
-    return 1 + self.maxima_inputs + len(self.aliases) + (self.epilogue is not None)
+    return (1 + self.maxima_inputs + len(self.aliases) + (self.epilogue is not None)
+            + self.speculated)
 
   @property
   def copies(self) -> int:
@@ -160,8 +172,11 @@ class Cast:
     assert self.scales_from in ("maxima", "speculated", "checked"), self
     if self.scales_from == "checked":
       assert self.scales and not (self.sums or self.maxima or self.epilogue), self
-      for copy in operands[1 + self.maxima_inputs:]:
+      for copy in operands[1 + self.maxima_inputs:-1]:
         assert copy.shape == (self.out_rows, c) and copy.dtype == jnp.float16, (self, copy)
+    if self.speculated:
+      assert self.scales and self.epilogue is None and operands[-1].ndim == (
+          1 if self.scales_from == "checked" else 2), (self, operands[-1].shape)
     if self.epilogue is not None:
       operand = operands[-1]
       assert not self.scales and operand.ndim == 2 and operand.shape[0] <= r and (
@@ -193,15 +208,17 @@ class Cast:
     sums_ref = out_refs.pop(0) if self.sums else None
     max_refs = dict(zip(self.maxima, out_refs))
     checked = self.scales_from == "checked"
+    speculated = (in_refs[-1][0] if checked   # a `SpeculatedScale` of the sample
+                  else _sample_scale(in_refs[-1]) if self.speculated else None)
 
     def scales(i, lines, mask, axis, store_unscale):
       """Copy i's scales of these lines (expanded along `axis`) and (checked) whether every
       line kept the speculated one; the reciprocals go to `store_unscale`."""
       if self.scales_from == "speculated":
-        return SPECULATED_SCALE, None
+        return speculated, None
       largest = _line_maxima(in_refs[1 + i], lines, mask)
       if checked:
-        scale, unscale, fits = checked_scales(largest)
+        scale, unscale, fits = checked_scales(largest, speculated)
         kept = jnp.sum(jnp.where(mask & ~fits, 1, 0)) == 0
       else:
         scale, unscale, kept = f16_scale(largest), f16_unscale(largest), None
@@ -273,6 +290,15 @@ class Cast:
     else:
       results += partial
     return results[0] if len(results) == 1 else tuple(results)
+
+
+def _sample_scale(sample_ref):
+  """`precision.sample_speculated_scale` of a 2-D ref (every program finds the same)."""
+  sample_rows, sample_cols = SPECULATION_SAMPLE
+  rows, row_mask = span(0, sample_rows, sample_ref.shape[0])
+  cols, col_mask = span(0, sample_cols, sample_ref.shape[1])
+  return speculated_scale(jnp.max(finite_abs(load_tile(sample_ref, rows, row_mask, cols,
+                                                       col_mask))))
 
 
 def _line_maxima(maxima_ref, lines, mask):
@@ -431,6 +457,41 @@ class Zeros:
     del in_refs, mode, interpret
     indices, mask = span(program, self.block, self.size)
     plgpu.store(out_refs[0].at[indices], jnp.zeros((self.block,), jnp.int32), mask=mask)
+
+  def finish(self, outs):
+    return outs[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatedScale:
+  """An fp32 `[size]` vector of one value: the scale a speculated `Cast` of an input takes,
+  `precision.speculated_scale` of the sample of `x [R, C]` (its one input): for a checked
+  `Cast`, which then loads one value rather than reduce the sample again in each of its
+  one-tile programs, and for the engine's speculated copies."""
+
+  shape: tuple[int, int]
+  size: int
+  block: int = 1024
+
+  num_inputs = 1
+  num_outputs = 1
+  aliases = {}
+
+  @property
+  def programs(self) -> int:
+    return pl.cdiv(self.size, self.block)
+
+  def check(self, operands):
+    assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
+
+  def out_shapes(self, like):
+    return [out_struct((self.size,), jnp.float32, like)]
+
+  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
+    del mode, interpret
+    indices, mask = span(program, self.block, self.size)
+    plgpu.store(out_refs[0].at[indices],
+                jnp.full((self.block,), _sample_scale(in_refs[0]), jnp.float32), mask=mask)
 
   def finish(self, outs):
     return outs[0]

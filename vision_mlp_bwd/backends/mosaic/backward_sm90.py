@@ -27,14 +27,15 @@ are its TF32 roundings, scaled; each product is unscaled afterwards
 the accumulator by the reciprocal scales. One staging launch finds the
 maxima of the lines each input is scaled along (and grad_output's column
 sums) on the read that writes its f16 copies, scaled by a speculated power
-of two; a second reduces the maxima to the scales and the reciprocal scales,
-and copies again only the tiles of lines that the speculated scale does not
-fit. The
-pre-GELU product's epilogue then runs on unscaled values, as on 16-bit
-products; its output stays fp32. It also returns the bias gradient (the
-sums of its fp32 columns) and the largest |value| of each row and column,
-the scales of the two f16 copies of it that the products after it read (a
-third staging launch writes both from one read). Every partial sum and
+of two (`precision.speculated_scale`, from the input's first rows and
+columns); a second reduces the maxima to the scales and the reciprocal
+scales, and copies again only the tiles of lines that the speculated scale
+does not fit. The pre-GELU product's epilogue then runs on unscaled values,
+as on 16-bit products; its output stays fp32. It also writes the two f16
+copies of it that the products after it read, at grad_output's speculated
+scale, the bias gradient (the sums of its fp32 columns) and the largest
+|value| of each row and column, from which a third staging launch checks
+those copies as the second checks the inputs'. Every partial sum and
 maximum is reduced by the launch after the one that leaves it: nothing runs
 in XLA between the launches.
 
@@ -272,43 +273,60 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
                          row_scale=a_unscale, col_scale=b_unscale,
                          defer_tail="epilogue" not in options, **options)
 
-  # One pass over every input: its f16 copies scaled by the speculated power of two, the
-  # maxima of the lines they are scaled along (grad_output's columns and rows, the others'
-  # columns) and grad_output's column sums (the bias gradient), as partial rows. Then one
-  # that reduces the maxima to the scales and their reciprocals, and copies again only the
-  # tiles of the lines whose maxima the speculated scale does not fit
-  # (`precision.fits_speculated`). The first product's operands, the copies of grad_output
-  # and gelu_output, are written last.
+  # One pass over every input: its f16 copies scaled by a speculated power of two (from
+  # the input's first rows and columns, `precision.speculated_scale`), the maxima of the
+  # lines they are scaled along (grad_output's columns and rows, the others' columns) and
+  # grad_output's column sums (the bias gradient), as partial rows, and each speculated
+  # scale as a vector. Then one that reduces the maxima to the scales and their
+  # reciprocals, and copies again only the tiles of the lines whose maxima the speculated
+  # scale does not fit (`precision.fits_speculated`). The first product's operands, the
+  # copies of grad_output and gelu_output, are written last.
   staged = ((fc2_weight, 0, ("columns",)), (fc1_weight, 0, ("columns",)),   # (input, rows,
              (hidden_state, padded, ("columns",)), (gelu_output, padded, ("columns",)),
              (grad_output, padded, ("columns", "rows")))   # the lines it is scaled along)
   copy = lambda x, rows, lines, **options: Cast(x.shape, f16, rows=rows, scales=lines,
                                                 parts=SCALED_COPY_PARTS, **options)
-  speculated = launch([(copy(x, rows, lines, scales_from="speculated", maxima=lines,
-                             sums=i == len(staged) - 1, finished=False), (x,))   # grad_output's
-                       for i, (x, rows, lines) in enumerate(staged)], "mlp_backward_staging")
+  # The pre-GELU gradient's copies speculate grad_output's scale: it is linear in
+  # grad_output, and the weights and gelu' keep it within the window of that scale.
+  pre_copy_scale = staging.SpeculatedScale(grad_output.shape, fc1_weight.shape[0])
+  *speculated, copy_scale = launch(
+      [(copy(x, rows, lines, scales_from="speculated", maxima=lines,
+             sums=i == len(staged) - 1, finished=False), (x, x))   # grad_output's
+       for i, (x, rows, lines) in enumerate(staged)]
+      + [(staging.SpeculatedScale(x.shape, 16), (x,)) for x, _, _ in staged]
+      + [(pre_copy_scale, (grad_output,))], "mlp_backward_staging")
+  speculated, speculated_scales = speculated[:len(staged)], speculated[len(staged):]
   *_, fc2_bias_parts, _, _ = speculated[-1]
-  checked = launch(
-      [(copy(x, rows, lines, scales_from="checked"),
-        (x, *outs[-len(lines):], *outs[:len(lines)]))   # the maxima, then the copies
-       for (x, rows, lines), outs in zip(staged, speculated)]
-      + [(staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_scales")
+
+  def checks(x, rows, lines, copies, maxima, speculated_scale):
+    """One checked job per copy: a column-scaled one in bands of tiles (its columns'
+    partial maxima loaded once a band), a row-scaled one a tile per program (only its
+    rows' maxima loaded)."""
+    return [(copy(x, rows, (kind,), scales_from="checked"),
+             (x, line_maxima, line_copy, speculated_scale))
+            for kind, line_copy, line_maxima in zip(lines, copies, maxima)]
+
   ((w2, w2_unscale), (w1, w1_unscale), (x16, x_unscale), (gelu16, gelu_unscale),
-   (dy_by_column, dy_by_row, dy_column_unscale, dy_row_unscale), grad_fc2_bias) = checked
+   (dy_by_column, dy_column_unscale), (dy_by_row, dy_row_unscale), grad_fc2_bias) = launch(
+      [job for (x, rows, lines), outs, scale in zip(staged, speculated, speculated_scales)
+       for job in checks(x, rows, lines, outs[:len(lines)], outs[-len(lines):], scale)]
+      + [(staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_scales")
   grad_fc2_weight = product(dy_by_column, dy_column_unscale, gelu16, gelu_unscale,
                             weight_config, transpose_a=True)
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
-  # gelu'(0) times them. The epilogue also sums the columns (the bias gradient) and finds
-  # the largest |value| of each column and row: the scales of its two f16 copies.
-  grad_pre, fc1_bias_parts, *pre_maxima = product(
+  # gelu'(0) times them. The epilogue also writes its two f16 copies at grad_output's
+  # speculated scale, sums the columns (the bias gradient) and finds the largest |value|
+  # of each column and row, from which the launch after it checks the copies' scales, as
+  # the inputs' are checked.
+  grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = product(
       dy_by_row, dy_row_unscale, w2, w2_unscale, pre_config, epilogue=reference.gelu_backward,
       epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
-      approx_math=True, partial_reductions=True)
-  [(pre_by_column, pre_by_row, pre_column_unscale, pre_row_unscale), grad_fc1_bias] = launch(
-      [(Cast(grad_pre.shape, f16, scales=("columns", "rows"), parts=SCALED_COPY_PARTS),
-        (grad_pre, *pre_maxima)),
-       (staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
-      "mlp_backward_pre_gelu_copies")
+      approx_math=True, partial_reductions=True, speculated_copies=2, copy_scale=copy_scale)
+  ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), grad_fc1_bias) = launch(
+      checks(grad_pre, 0, ("columns", "rows"), pre_copies, (pre_column_max, pre_row_max),
+             copy_scale)
+      + [(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
+      "mlp_backward_pre_gelu_scales")
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
                             transpose_a=True)
   grad_hidden_state = product(pre_by_row, pre_row_unscale, w1, w1_unscale, rows_config,

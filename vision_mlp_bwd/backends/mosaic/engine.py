@@ -46,6 +46,12 @@ buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
 pair of barriers.
 
+With `speculated_copies`, the fused epilogue also stores f16 copies of its fp32 values
+scaled by a speculated power of two per column (`copy_scale`, TMA'd beside the
+epilogue operand), from one shared-memory piece per warpgroup: the TF32 products'
+operands, which a checked `staging.Cast` rewrites only where a line does not fit that
+scale.
+
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
 multiplied by them before the epilogue: that is how the TF32 products on the
@@ -73,6 +79,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
 from vision_mlp_bwd.backends.shared import sum_in_order
+from vision_mlp_bwd.precision import scaled_f16_operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +134,7 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
                         split_tail: bool, epilogue_dtype=None, column_sums=False,
-                        scales=False, line_maxima=False) -> int:
+                        scales=False, line_maxima=False, speculated_copies=False) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers, each
   buffer aligned to SMEM_ALIGNMENT_BYTES as Pallas places them.
 
@@ -150,6 +157,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers.append(2 * config.tile_n * 4)
   if line_maxima:                     # each warpgroup's column and row maxima
     buffers += [2 * config.tile_n * 4, 2 * config.tile_m * 4]
+  if speculated_copies:               # each warpgroup's f16 piece of them, and their scales
+    buffers += [2 * epi_m * epi_n * 2, 2 * config.tile_n * 4]
   if scales:                          # each warpgroup's row and column scales
     buffers += [2 * config.tile_m * 4, 2 * config.tile_n * 4]
   if column_sums or line_maxima:      # the reductions' scratch (one at a time)
@@ -242,7 +251,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            epilogue: Callable | None = None, epilogue_operand=None, column_sums=None,
            line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
-           defer_tail: bool = False, out_rows: int | None = None, interpret=None):
+           defer_tail: bool = False, out_rows: int | None = None, speculated_copies: int = 0,
+           copy_scale=None, interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -260,7 +270,10 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
   in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
   rows (TMA drops the stores past them: an S-row gradient from a product over operands
-  padded to whole groups of 8 rows, without a copy). `interpret` is `plgpu.kernel`'s
+  padded to whole groups of 8 rows, without a copy). `speculated_copies` (with an
+  epilogue, an fp32 output and `copy_scale` [N], fp32) returns that many f16 arrays after
+  the output, each `precision.scaled_f16_operand(value, copy_scale)` of the stored fp32
+  values (`staging.SpeculatedScale` makes `copy_scale`). `interpret` is `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -290,6 +303,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       if v.shape != (size,) or v.dtype != jnp.float32:
         raise ValueError(f"matmul: {name} has shape {v.shape} and dtype {v.dtype}; expected "
                          f"float32 [{size}].")
+  if speculated_copies and (epilogue is None or jnp.dtype(out_dtype) != jnp.float32):
+    raise ValueError(f"matmul: speculated_copies={speculated_copies} are an epilogue's f16 "
+                     f"copies of its fp32 values; out_dtype is {jnp.dtype(out_dtype).name}"
+                     f"{'' if epilogue is not None else ' and there is no epilogue'}.")
+  if (copy_scale is not None) != bool(speculated_copies) or copy_scale is not None and (
+      copy_scale.shape != (n,) or copy_scale.dtype != jnp.float32):
+    raise ValueError(
+        f"matmul: speculated_copies={speculated_copies} with copy_scale "
+        f"{None if copy_scale is None else (copy_scale.shape, copy_scale.dtype)}; expected "
+        f"a float32 [{n}] copy_scale exactly when speculated_copies > 0.")
   if out_rows is not None and not 0 < out_rows <= m:
     raise ValueError(f"matmul: out_rows={out_rows}; expected 1 <= out_rows <= M = {m}.")
   if epilogue is not None and config.tail_splits > 1:
@@ -303,7 +326,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   plan = schedule(m, n, k, config, num_programs or num_sms())
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None, row_scale is not None, line_maxima)
+                             column_sums is not None, row_scale is not None, line_maxima,
+                             speculated_copies > 0)
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
@@ -313,8 +337,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
-                             line_maxima=line_maxima)
+                             line_maxima=line_maxima, speculated_copies=speculated_copies)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
+  out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
   if column_sums:   # one row per row of warpgroup tiles
@@ -331,14 +356,17 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
-  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales)
+  )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
+    *(() if copy_scale is None else (copy_scale,)))
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
-    reduced = list(outs[1:])
+    reduced = list(outs[1 + speculated_copies:])
     sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
     maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
-    return (outs[0], *sums, *maxima)
+    return (*outs[:1 + speculated_copies], *sums, *maxima)
+  if speculated_copies:   # (whole blocks only: a fused epilogue has no split tail)
+    return tuple(outs)
   if plan.splits == 1:
     return outs[0]
   split = SplitProduct(outs[0], outs[1].reshape(-1, config.block[1]),
@@ -380,11 +408,13 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool):
+            line_maxima: bool, speculated_copies: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
+  copy_scale_gmem = refs.pop(0) if speculated_copies else None
   out_gmem = refs.pop(0)
+  copies_gmem = [refs.pop(0) for _ in range(speculated_copies)]
   sums_gmem = refs.pop(0) if column_sums else None
   col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
   partial_gmem = refs   # the split tail's fp32 partials, if any
@@ -412,6 +442,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if copies_gmem:   # rows of one piece: a swizzle as wide as they are
+    extra_smem.update(copy_smem=plgpu.SMEM(
+        (2, epi_m, epi_n), jnp.float16,
+        transforms=swizzled_tiles(jnp.float16, out_tile_rows, min(SWIZZLE, 2 * epi_n))),
+        copy_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
+        copy_scale_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if scaled:   # scales_arrived[w]: warpgroup w's row scales; [2 + w]: its column scales
     extra_smem.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
                       col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
@@ -448,7 +484,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       collective_axes="wg")
   def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None):
+             scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_smem=None,
+             copy_scale_smem=None, copy_scale_arrived=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0, whole=True):
@@ -459,6 +496,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
       if epilogue is not None and whole:
         plgpu.copy_gmem_to_smem(operand_gmem.at[rows, cols], operand_smem.at[wg],
                                 operand_arrived.at[wg])
+      if copies_gmem and whole:
+        plgpu.copy_gmem_to_smem(copy_scale_gmem.at[cols], copy_scale_smem.at[wg],
+                                copy_scale_arrived.at[wg])
       if scaled:
         plgpu.copy_gmem_to_smem(row_scale_gmem.at[rows], row_scale_smem.at[wg],
                                 scales_arrived.at[wg])
@@ -516,6 +556,20 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
           smem[wg, slot] = acc[rows, cols]
           plgpu.commit_smem()
           plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
+      if copies_gmem:   # the same values scaled to f16, one piece at a time to every copy
+        plgpu.barrier_wait(copy_scale_arrived.at[wg])
+        copy = scaled_f16_operand(
+            value, lax.broadcast_in_dim(copy_scale_smem[wg], value.shape, (1,)))
+        tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
+        for pm in range(tile_m // epi_m):
+          for pn in range(tile_n // epi_n):
+            rows = slice(pm * epi_m, (pm + 1) * epi_m)
+            cols = slice(pn * epi_n, (pn + 1) * epi_n)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            copy_smem[wg] = copy[rows, cols]
+            plgpu.commit_smem()
+            for copy_gmem in copies_gmem:
+              plgpu.copy_smem_to_gmem(copy_smem.at[wg], copy_gmem.at[tile].at[rows, cols])
 
     whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
 

@@ -15,10 +15,10 @@ def padded_rows(tokens: int) -> int:
   return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
 
 
-def swizzled_tiles(dtype, rows=ROW_MULTIPLE):
-  """A swizzled shared-memory tile layout: `rows` x one 128-byte row of `dtype`.
+def swizzled_tiles(dtype, rows=ROW_MULTIPLE, swizzle=SWIZZLE):
+  """A swizzled shared-memory tile layout: `rows` x one `swizzle`-byte row of `dtype`.
 
   wgmma operands need rows=8; rows=1 lets TMA reach arrays whose row count
   is not a multiple of 8 (the unpadded fp32 `fc1_output`, the output)."""
-  return (plgpu.TilingTransform((rows, SWIZZLE // jnp.dtype(dtype).itemsize)),
-          plgpu.SwizzleTransform(SWIZZLE))
+  return (plgpu.TilingTransform((rows, swizzle // jnp.dtype(dtype).itemsize)),
+          plgpu.SwizzleTransform(swizzle))
