@@ -6,7 +6,8 @@ inputs after casting them. So for each seed S this times, with CUPTI and a
 cold L2 (`benchmarks/timing.py`): the Mosaic and Triton kernels and XLA on
 fp32 inputs under F16_F16_F32, and the same three on bf16 and f16 inputs at
 the default precision, each with the automatic choice, and Mosaic, XLA and the
-automatic choice on fp32 inputs at the default precision (TF32); an implementation that cannot
+automatic choice on fp32 inputs at the default precision (TF32), and all four on fp32
+inputs under HIGHEST and HIGH (bf16x3 in the kernels); an implementation that cannot
 run here (the Mosaic one off Hopper) is left out. Writes
 `input_dtypes_<device>_<date>.{json,md}` into --out.
 """
@@ -43,7 +44,12 @@ COLUMNS = (("fp32 in, F16, mosaic", jnp.float32, F16, "mosaic"),
            ("f16 in, mosaic", jnp.float16, None, "mosaic"),
            ("f16 in, triton", jnp.float16, None, "triton"),
            ("f16 in, xla", jnp.float16, None, "xla"),
-           ("f16 in, auto", jnp.float16, None, None))
+           ("f16 in, auto", jnp.float16, None, None),
+           *((f"fp32 in, {name}, {implementation or 'auto'}", jnp.float32, precision,
+              implementation)
+             for name, precision in (("HIGHEST", lax.Precision.HIGHEST),
+                                     ("HIGH", lax.Precision.HIGH))
+             for implementation in ("mosaic", "triton", "xla", None)))
 
 
 def main(argv=None):

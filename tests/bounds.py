@@ -90,7 +90,9 @@ TENSOR_CORE_ACCUMULATION = 2.0 ** -23
 # exact products of each term are accumulated in fp32 with at most K + 1 roundings on any
 # term (each tile's three dots are added up before joining the K sum), and their absolute
 # sum is at most (1 + 2^-8)^2 (1 + 2 2^-8 (1 + 2^-8)) |a||b| <= (1 + 2^-5)|a||b|; so
-# c_K = BF16X3_PRODUCT + BF16X3_PARTS * gamma_{K+1}.
+# c_K = BF16X3_PRODUCT + BF16X3_PARTS * gamma_{K+1}. The Mosaic backend's products over the
+# pieces side by side (`backward_sm90`: one fp32 sum of all 3K exact products) put each
+# term through at most 3K roundings: c_K = BF16X3_PRODUCT + BF16X3_PARTS * gamma_{3K}.
 BF16X3_PRODUCT = 3 * 2.0 ** -16 + 2.0 ** -21
 BF16X3_PARTS = 1 + 2.0 ** -5
 
@@ -188,6 +190,7 @@ class Arithmetic:
   output: Rounding             # each result -> its dtype
   gelu_grad_error: float
   bf16x3: bool = False
+  bf16x3_one_sum: bool = False   # bf16x3's three products of a term in one sum of 3K terms
   operands: tuple = ()         # ((name, Rounding), ...) overriding `operand` for those inputs
   accumulation: float = U32    # unit roundoff of the sums (float64 for the x64 checks)
   # TF32 on the GPU may run on f16 tensor cores (`Config.tf32_on_f16`): add the f16 subnormal
@@ -200,6 +203,12 @@ class Arithmetic:
 
   def rounding(self, name):
     return dict(self.operands).get(name, self.operand)
+
+
+def bf16x3_in_one_sum(precision="highest", platform=None) -> Arithmetic:
+  """`arithmetic` of fp32 inputs under HIGHEST or HIGH where each product's three bf16x3
+  products are one sum of 3K terms (the Mosaic backend's products over the pieces)."""
+  return dataclasses.replace(arithmetic(precision, jnp.float32, platform), bf16x3_one_sum=True)
 
 
 def platform_name(platform=None):
@@ -313,7 +322,7 @@ def gelu_grad64(x):
 
 
 def product_error(a_abs, b_abs, *, k=None, a_error=0.0, b_error=0.0, a_rounding=EXACT,
-                  b_rounding=EXACT, bf16x3=False, accumulation=U32):
+                  b_rounding=EXACT, bf16x3=False, bf16x3_one_sum=False, accumulation=U32):
   """(bound on |computed a @ b - a @ b|, Ã @ B̃), given `a_abs` >= |a| and `b_abs` >= |b|.
 
   See the module docstring: `a_error`, `b_error` are the operands' incoming absolute errors
@@ -325,7 +334,8 @@ def product_error(a_abs, b_abs, *, k=None, a_error=0.0, b_error=0.0, a_rounding=
   at = (1 + a_rounding.u) * (a_abs + a_error) + a_rounding.eta
   bt = (1 + b_rounding.u) * (b_abs + b_error) + b_rounding.eta
   u = accumulation + U64
-  c = BF16X3_PRODUCT + BF16X3_PARTS * gamma(k + 1, u) if bf16x3 else gamma(k, u)
+  roundings = 3 * k if bf16x3_one_sum else k + 1
+  c = BF16X3_PRODUCT + BF16X3_PARTS * gamma(roundings, u) if bf16x3 else gamma(k, u)
   magnitude = at @ bt
   error = c * magnitude
   if np.any(at != a_abs):
@@ -390,7 +400,7 @@ def backward_oracle_and_bounds(inputs, precision=None, *, platform=None, model=N
                            for n, e in etas.items()),
         pre_product=Rounding(ar.pre_product.u, ar.pre_product.eta + pre_eta), f16_scaled=False)
   r = ar.rounding
-  kw = dict(bf16x3=ar.bf16x3, accumulation=acc)
+  kw = dict(bf16x3=ar.bf16x3, bf16x3_one_sum=ar.bf16x3_one_sum, accumulation=acc)
   ones = np.ones((s, 1))
 
   # grad_gelu = grad_output @ fc2_weight, then pre = fl(grad_gelu * gelu'(x)).

@@ -234,6 +234,21 @@ def test_mosaic_backend_within_bounds_and_deterministic(tokens, dtype, precision
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 63, 65, 129, 333, 2500, 8192])
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_mosaic_bf16x3_within_bounds_and_deterministic(tokens, precision):
+  """HIGHEST and HIGH on the Hopper backend (bf16x3 as one product over the inputs'
+  pieces side by side, XLA's dots): every element within the bound of one fp32 sum of
+  3K exact products, HIGHEST's relative Frobenius error (1e-5), and bit for bit the same
+  on a second call."""
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  outs = _mosaic_backward(inputs, precision)
+  bounds.check_backward(outs, inputs, precision, f"mosaic bf16x3 S={tokens}",
+                        model=bounds.bf16x3_in_one_sum(precision))
+  for a, b in zip(outs, _mosaic_backward(inputs, precision)):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("tokens", [333, 2500])
 def test_mosaic_tf32_with_lines_off_the_speculated_scale(tokens):
   """DEFAULT where the speculated scale does not fit every line (`helpers.

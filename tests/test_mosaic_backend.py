@@ -63,7 +63,27 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
     assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
 
 
-@pytest.mark.parametrize("dtype, mode", TABLE_MODES, ids=lambda v: getattr(v, "name", str(v)))
+@needs_lowering
+@pytest.mark.parametrize("tokens", [7, 2500])
+def test_bf16x3_lowers_to_four_xla_dots_over_the_pieces(tokens):
+  """HIGHEST at full size: the staging launches (Pallas-Triton, lowered for CUDA) and four
+  XLA dots of bf16 pieces with K three times as long, nothing else multiplying."""
+  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
+  args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+  problem = _problem(tokens, jnp.float32, DotMode.HIGHEST)
+  lowered = jax.jit(lambda *a: mosaic.backward(*a, problem=problem)).trace(*args).lower(
+      lowering_platforms=("cuda",))
+  assert [(o.shape, o.dtype) for o in lowered.out_info] == [
+      ((tokens, H), jnp.float32), ((I, H), jnp.float32), ((I,), jnp.float32),
+      ((H, I), jnp.float32), ((H,), jnp.float32)]
+  text = lowered.as_text()
+  dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+  assert len(dots) == 4 and all("bf16" in line for line in dots), dots
+  assert "mosaic_gpu" not in text
+
+
+@pytest.mark.parametrize("dtype, mode", [*TABLE_MODES, (jnp.float32, DotMode.HIGHEST)],
+                         ids=lambda v: getattr(v, "name", str(v)))
 def test_the_backward_closes_over_no_constants(dtype, mode):
   """The sharding layer wraps the backward in `custom_partitioning`, which refuses a traced
   function with closed-over constants (JAX 0.11 makes them of arrays built from no input)."""
@@ -78,7 +98,10 @@ def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
   backend = mosaic.BACKEND
   assert "32 bits" not in backend.unsupported_reason(_problem(64, mode=DotMode.TF32), "gpu")
   assert "32 bits" in backend.unsupported_reason(_problem(64, jnp.bfloat16, DotMode.TF32), "gpu")
-  assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.HIGHEST), "gpu")
+  assert "32 bits" in backend.unsupported_reason(_problem(64, jnp.bfloat16, DotMode.F32), "gpu")
+  assert "32 bits" in backend.unsupported_reason(_problem(64, mode=DotMode.F32), "gpu")
+  for mode in (DotMode.HIGHEST, DotMode.BF16X3):   # bf16x3 on the same 16-bit products
+    assert "32 bits" not in backend.unsupported_reason(_problem(64, mode=mode), "gpu")
   assert "H=1000 is not a multiple of 64" in backend.unsupported_reason(
       _problem(64, hidden=1000), "gpu")
   assert "I=4304 is not a multiple of 64" in backend.unsupported_reason(
@@ -318,3 +341,43 @@ def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkey
     np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
     np.testing.assert_array_equal(np.isinf(a), np.isinf(b), err_msg=name)
     assert np.any(~np.isfinite(a)), name
+
+
+@pytest.mark.transcendental
+@pytest.mark.parametrize("tokens, preset", [(61, "highest"), (64, "high")])
+def test_bf16x3_as_one_product_over_the_pieces_within_bounds(tokens, preset):
+  """HIGHEST and HIGH on fp32 inputs: bf16x3 with each product's three one product over
+  the inputs' pieces side by side (XLA's dots, as on the GPU; the staging launches in
+  interpret mode). Every output within the bound of one fp32 sum of 3K exact products
+  (`bounds.bf16x3_in_one_sum`) and within HIGHEST's relative Frobenius error, bit for bit
+  the same on a second call; S = 61 leaves partial tiles in every staging job."""
+  inputs = helpers.backward_inputs(tokens, 128, 256)
+  problem = _problem(tokens, jnp.float32, precision.canonicalize(preset), 128, 256)
+  fn = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))
+  outs = fn(*inputs)
+  assert [(o.shape, o.dtype) for o in outs] == [(x.shape, x.dtype) for x in inputs[1:6]]
+  bounds.check_backward(outs, inputs, preset, f"bf16x3 S={tokens}",
+                        model=bounds.bf16x3_in_one_sum(preset))
+  for a, b in zip(outs, fn(*inputs)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16x3_propagates_nan_and_inf_like_the_reference():
+  """A NaN reaches the gradients the reference's NaN reaches, and so does an Inf in
+  fc1_output (gelu'(Inf) is NaN, as in the contract's formula). An Inf in a product's
+  operand splits into an Inf piece and a NaN one (Inf - Inf), so its gradients are
+  non-finite where the reference's are, NaN where those may be Inf."""
+  inputs = list(helpers.backward_inputs(20, 128, 256))
+  inputs[0] = inputs[0].at[3, 5].set(jnp.nan)
+  inputs[6] = inputs[6].at[7, 2].set(jnp.inf)
+  problem = _problem(20, jnp.float32, DotMode.HIGHEST, 128, 256)
+  run = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))
+  ours, ref = run(*inputs), helpers.backward_float64(*inputs)
+  for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b), err_msg=name)
+    assert np.any(np.isnan(a)), name
+  inputs[1] = inputs[1].at[11, 4].set(-jnp.inf)
+  inputs[7] = inputs[7].at[13, 9].set(jnp.inf)
+  ours, ref = run(*inputs), helpers.backward_float64(*inputs)
+  for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)

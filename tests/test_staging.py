@@ -83,6 +83,36 @@ def test_cast_with_an_epilogue_applies_the_gelu_derivative_and_sums_the_values()
   assert np.all(np.abs(np.asarray(sums, np.float64) - exact.sum(0)) <= sums_bound)
 
 
+@pytest.mark.parametrize("along", ["columns", "rows"])
+def test_cast_writes_bf16x3_pieces_side_by_side(along):
+  """`Cast(terms=...)`: the pieces of `precision.split_bf16`, bitwise, in the order asked,
+  as `[R, T, C]` or `[T, R, C]` (every element written: the first job's copy goes into a
+  NaN-filled buffer), zero rows past x, the columns summed; NaN and Inf stay in the hi
+  piece (lo = Inf - Inf is NaN, as the Triton kernels' split has it). A second job,
+  with fewer rows than its input, keeps x's first rows."""
+  key = helpers.fresh_key()
+  x = jax.random.normal(key, (45, 70)) * 100   # ragged tiles both ways
+  x = x.at[3, 5].set(jnp.inf).at[40, 9].set(jnp.nan)
+  order = ("lo", "hi", "hi")
+  job = staging.Cast(x.shape, jnp.dtype(jnp.bfloat16), rows=48, sums=True, block=(8, 32),
+                     terms=order, terms_along=along)
+  cut = dataclasses.replace(job, rows=40, sums=False, terms=("hi", "lo"))
+  poisoned = jnp.full(job.copy_shape, jnp.nan, jnp.bfloat16)
+  [(copy, sums), cut_copy] = staging.grouped_launch([job, cut], [(x,), (x,)],
+                                                    mode=DotMode.HIGHEST, out=poisoned,
+                                                    interpret=True)
+  hi, lo = precision.split_bf16(jnp.pad(x, ((0, 3), (0, 0))))
+  stack = lambda parts, axis: jnp.concatenate(parts, axis=axis)
+  axis = 1 if along == "columns" else 0
+  pieces = {"hi": hi, "lo": lo}
+  chex.assert_shape(copy, (48, 3 * 70) if along == "columns" else (3 * 48, 70))
+  chex.assert_trees_all_equal(copy, stack([pieces[t] for t in order], axis))
+  chex.assert_trees_all_equal(cut_copy, stack([hi[:40], lo[:40]], axis))
+  assert jnp.isinf(hi[3, 5]) and jnp.isnan(lo[3, 5]) and jnp.isnan(hi[40, 9])
+  np.testing.assert_array_equal(np.asarray(hi[45:], np.float32), 0.0)
+  _assert_column_sums(sums, x)
+
+
 def test_cast_without_a_copy_returns_the_column_sums_alone():
   x = jax.random.normal(helpers.fresh_key(), (300, 40)).astype(jnp.bfloat16)
   zeros = staging.Zeros(5, block=4)

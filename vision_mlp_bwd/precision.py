@@ -155,7 +155,10 @@ def _sixteen_bit_operands(a, b, mode: DotMode):
   return None
 
 
-def _split_bf16(x):
+def split_bf16(x):
+  """(hi, lo) = (bf16(x), bf16(x - hi)) of fp32 `x`, bf16x3's pieces: a b is then
+  a_lo b_hi + a_hi b_lo + a_hi b_hi within 3 2^-16 |a b| (the dropped a_lo b_lo and the
+  pieces' rounding)."""
   hi = x.astype(jnp.bfloat16)
   lo = (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
   return hi, lo
@@ -288,8 +291,8 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
     return dot(*sixteen_bit)
   a, b = a.astype(jnp.float32), b.astype(jnp.float32)
   if mode in (DotMode.BF16X3, DotMode.HIGHEST):
-    a_hi, a_lo = _split_bf16(a)
-    b_hi, b_lo = _split_bf16(b)
+    a_hi, a_lo = split_bf16(a)
+    b_hi, b_lo = split_bf16(b)
     return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
   if mode == DotMode.F32:
     return dot(a, b, lax.Precision.HIGHEST)

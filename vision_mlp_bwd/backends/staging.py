@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
 from vision_mlp_bwd.precision import (SPECULATION_SAMPLE, DotMode, checked_scales, f16_scale,
                                       f16_unscale, finite_abs, scaled_f16_operand,
-                                      speculated_scale)
+                                      speculated_scale, split_bf16)
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
 
@@ -76,6 +76,12 @@ class Cast:
     holding such a line are read and written again. So a launch that reads
     every input once, and a cheap one after it, stand for two full passes
     wherever the lines fit.
+  - `terms` (with a bf16 `out_dtype`): the one copy holds x's bf16x3 pieces
+    (`precision.split_bf16`: "hi" = bf16(x), "lo" = bf16(x - hi)) in this order,
+    side by side along `terms_along`: `"columns"` `[rows, T C]` (`[rows, T, C]`,
+    term t in columns t C to (t + 1) C), `"rows"` `[T rows, C]` (`[T, rows, C]`).
+    A product over such copies, its contraction over (term, line) on both sides,
+    is the three products of HIGHEST's bf16x3 in one.
   - `epilogue`: the pass is over `epilogue(x, operand)` (fp32) instead of x, with
     `operand [R', C]` (R' <= R, rows past R' read as zeros) a second input: the
     GELU derivative applied to a product XLA computed, as the engine's epilogue
@@ -107,6 +113,8 @@ class Cast:
   parts: int = 64
   epilogue: object = None
   scales_from: str = "maxima"
+  terms: tuple[str, ...] = ()
+  terms_along: str = "columns"
 
   @property
   def speculated(self) -> bool:
@@ -140,6 +148,14 @@ class Cast:
     return (self.rows or self.shape[0]) if self.copies else self.shape[0]
 
   @property
+  def copy_shape(self) -> tuple[int, int]:
+    """A copy's shape: `[out_rows, C]`, or its `terms` side by side."""
+    terms = len(self.terms) or 1
+    if self.terms_along == "rows":
+      return (terms * self.out_rows, self.shape[1])
+    return (self.out_rows, terms * self.shape[1])
+
+  @property
   def steps(self) -> int:
     """Row tiles per program."""
     tiles = pl.cdiv(self.out_rows, self.block[0])
@@ -169,6 +185,8 @@ class Cast:
       assert maxima.ndim == 2 and maxima.shape[1] == (c if kind == "columns" else r), (
           self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
+    assert not self.terms or (self.out_dtype == jnp.bfloat16 and not self.scales and set(
+        self.terms) <= {"hi", "lo"} and self.terms_along in ("columns", "rows")), self
     assert self.scales_from in ("maxima", "speculated", "checked"), self
     if self.scales_from == "checked":
       assert self.scales and not (self.sums or self.maxima or self.epilogue), self
@@ -187,8 +205,7 @@ class Cast:
 
   def out_shapes(self, like):
     (bands, col_blocks), (r, c) = self.grid, self.shape
-    shapes = [out_struct((self.out_rows, c), self.out_dtype, like)
-              for _ in range(self.copies)]
+    shapes = [out_struct(self.copy_shape, self.out_dtype, like) for _ in range(self.copies)]
     shapes += [out_struct((c if kind == "columns" else self.out_rows,), jnp.float32, like)
                for kind in self.scales[:self.maxima_inputs]]
     if self.sums:
@@ -254,7 +271,14 @@ class Cast:
         x = self.epilogue(x, load_tile(operand_ref, rows, rows < operand_ref.shape[0], cols,
                                        col_mask))
       index, mask = tile_indices(rows, row_mask, cols, col_mask)
-      for i, copy_ref in enumerate(copy_refs):
+      if self.terms:
+        pieces = dict(zip(("hi", "lo"), split_bf16(x.astype(jnp.float32))))
+        for t, term in enumerate(self.terms):
+          row_offset, col_offset = ((t * self.out_rows, 0) if self.terms_along == "rows"
+                                    else (0, t * c))
+          term_index, _ = tile_indices(rows + row_offset, row_mask, cols + col_offset, col_mask)
+          plgpu.store(copy_refs[0].at[term_index], pieces[term], mask=mask)
+      for i, copy_ref in enumerate(() if self.terms else copy_refs):
         value = (scaled_f16_operand(x, line_scales[i][0]) if self.scales
                  else x.astype(copy_ref.dtype))
         plgpu.store(copy_ref.at[index], value, mask=mask)

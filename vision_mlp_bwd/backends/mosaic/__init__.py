@@ -24,11 +24,13 @@ class MosaicBackend:
   name = "mosaic"
 
   def unsupported_reason(self, problem: Problem, platform: str) -> str | None:
-    tf32_on_f16 = problem.mode == DotMode.TF32 and problem.dtype == jnp.float32
-    if problem.mode.operand_dtype is None and not tf32_on_f16:
+    on_16_bit_products = problem.dtype == jnp.float32 and problem.mode in (
+        DotMode.TF32, DotMode.HIGHEST, DotMode.BF16X3)
+    if problem.mode.operand_dtype is None and not on_16_bit_products:
       return (f"{problem.mode.name} on {problem.dtype.name} inputs multiplies in 32 bits "
-              "beyond TF32; this backend runs 16-bit products (F16_F16_F32 or BF16_BF16_F32 "
-              "precision, or bf16/f16 inputs) and TF32 on fp32 inputs (DEFAULT).")
+              "beyond TF32 and bf16x3; this backend runs 16-bit products (F16_F16_F32 or "
+              "BF16_BF16_F32 precision, or bf16/f16 inputs), and TF32 (DEFAULT) and bf16x3 "
+              "(HIGHEST, HIGH) on fp32 inputs.")
     for name, size in (("H", problem.hidden), ("I", problem.intermediate)):
       if size % ROW_LENGTH:
         return f"{name}={size} is not a multiple of {ROW_LENGTH}."

@@ -39,6 +39,18 @@ those copies as the second checks the inputs'. Every partial sum and
 maximum is reduced by the launch after the one that leaves it: nothing runs
 in XLA between the launches.
 
+HIGHEST (and HIGH) on fp32 inputs is bf16x3, as in the Triton kernels
+(`precision.split_bf16`: a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi), with the
+three products of each pair made one: the staging launch writes each input's
+pieces side by side (`staging.Cast(terms=...)`, the S-row inputs as
+`[S, 3, C]`, the weights as `[3, K, N]`), so that one 16-bit product
+contracting over (piece, line) is bf16x3's three, K three times as long, in
+one fp32 accumulation. The same copy serves a product over its columns
+(`[S, 3C]`) and one over its rows (`[3S, C]`): a free reshape. The products
+are XLA's dots (cuBLAS on the H200); the GELU derivative, the pre-GELU
+gradient's pieces and its column sums are one staging pass over XLA's fp32
+product, as for the 16-bit products' "xla" row.
+
 The engine's TMA copies need rows in whole groups of 8; for other S the
 S-row operands it reads are padded with zero rows by the staging launch
 (which add nothing to any sum: gelu'(0) times a zero row is zero) and the
@@ -149,6 +161,9 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
   mode, dtype = problem.mode, problem.dtype
   operand = mode.operand_dtype
+  if mode in BF16X3_MODES:
+    return _bf16x3_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                            gelu_output, problem, interpret)
   configs = tables.configs(problem)
   if mode == DotMode.TF32:
     return _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
@@ -179,6 +194,49 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
       also=[(staging.SumRows(x.shape), (x,)) for x in (fc1_bias_parts, fc2_bias_parts)])
   return (grad_hidden_state, grad_fc1_weight, grad_fc1_bias.astype(dtype),
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
+
+
+BF16X3_MODES = (DotMode.HIGHEST, DotMode.BF16X3)
+# The pieces each operand contributes, in the order of the contraction: the left operands
+# (grad_output, the pre-GELU gradient) lo, hi, hi and the right ones hi, lo, hi, so that
+# piece t of one meets piece t of the other (`precision.kernel_dot`'s three products).
+LEFT_PIECES, RIGHT_PIECES = ("lo", "hi", "hi"), ("hi", "lo", "hi")
+
+
+def _bf16x3_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
+                     gelu_output, problem: Problem, interpret: bool):
+  """HIGHEST's bf16x3 as XLA's dots of the inputs' pieces side by side (see the module
+  docstring), fp32 inputs."""
+  tokens, bf16, pieces = problem.tokens, jnp.dtype(jnp.bfloat16), len(LEFT_PIECES)
+
+  def launch(jobs, name):
+    return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
+
+  def split(x, order, along, **options):
+    return staging.Cast(x.shape, bf16, terms=order, terms_along=along, finished=False,
+                        **options), (x,)
+
+  # One pass over every input: its pieces, and grad_output's column sums (grad_fc2_bias) as
+  # partial rows. The products wait for it (XLA would otherwise run it beside them).
+  (dy3, fc2_bias_parts), x3, gelu3, w1_3, w2_3 = lax.optimization_barrier(tuple(launch(
+      [split(grad_output, LEFT_PIECES, "columns", sums=True),
+       split(hidden_state, RIGHT_PIECES, "columns"),
+       split(gelu_output, RIGHT_PIECES, "columns"),
+       split(fc1_weight, RIGHT_PIECES, "rows"),
+       split(fc2_weight, RIGHT_PIECES, "rows")], "mlp_backward_staging")))
+  by_rows = lambda x3: x3.reshape(pieces * tokens, -1)   # [S, 3C] as [3S, C]
+  grad_fc2_weight = reference.weight_grad(by_rows(dy3), by_rows(gelu3), problem.mode)
+  product = reference.input_grad(dy3, w2_3, problem.mode)   # grad_output @ fc2_weight
+  (pre3, fc1_bias_parts), grad_fc2_bias = launch(
+      [(staging.Cast(product.shape, bf16, sums=True, finished=False, terms=LEFT_PIECES,
+                     epilogue=reference.gelu_backward, block=PRE_GELU_PASS_BLOCK),
+        (product, fc1_output)),
+       (staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_pre_gelu")
+  grad_fc1_weight = reference.weight_grad(by_rows(pre3), by_rows(x3), problem.mode)
+  grad_hidden_state = reference.input_grad(pre3, w1_3, problem.mode)
+  (grad_fc1_bias,) = launch([(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
+                            "mlp_backward_bias_sums")
+  return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
 
 
 def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,
