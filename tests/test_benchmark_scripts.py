@@ -10,7 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import backward_configs, input_dtypes, precision_errors, timing, training_step
+from benchmarks import (backward_configs, bf16x3_chunks, input_dtypes, precision_errors, timing,
+                        training_step)
 from tests import bounds, helpers
 
 
@@ -33,6 +34,13 @@ def test_the_plain_model_is_the_one_users_write():
   x, (w1, b1, w2, b2) = inputs[1], inputs[2:6]
   expected = jax.nn.gelu(x @ w1.T + b1, approximate=True) @ w2.T + b2
   np.testing.assert_array_equal(training_step.plain_mlp(x, w1, b1, w2, b2), expected)
+
+
+def test_bf16x3_chunks_oracle_is_the_float64_contract():
+  inputs = helpers.backward_inputs(9, 16, 40)
+  exact = helpers.backward_float64(*inputs)
+  for ours, theirs in zip(bf16x3_chunks.weight_grads_float64(inputs), (exact[1], exact[3])):
+    np.testing.assert_allclose(ours, theirs, rtol=1e-12, atol=1e-12)
 
 
 def test_precision_errors_oracle_is_the_float64_contract():

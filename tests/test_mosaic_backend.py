@@ -344,13 +344,18 @@ def test_tf32_on_the_f16_engine_propagates_nan_and_inf_like_the_reference(monkey
 
 
 @pytest.mark.transcendental
-@pytest.mark.parametrize("tokens, preset", [(61, "highest"), (64, "high")])
-def test_bf16x3_as_one_product_over_the_pieces_within_bounds(tokens, preset):
+@pytest.mark.parametrize("tokens, preset, chunk", [(61, "highest", 1024), (61, "highest", 24),
+                                                   (64, "high", 16)])
+def test_bf16x3_as_one_product_over_the_pieces_within_bounds(monkeypatch, tokens, preset,
+                                                             chunk):
   """HIGHEST and HIGH on fp32 inputs: bf16x3 with each product's three one product over
   the inputs' pieces side by side (XLA's dots, as on the GPU; the staging launches in
-  interpret mode). Every output within the bound of one fp32 sum of 3K exact products
-  (`bounds.bf16x3_in_one_sum`) and within HIGHEST's relative Frobenius error, bit for bit
-  the same on a second call; S = 61 leaves partial tiles in every staging job."""
+  interpret mode), the weight gradients in chunks of S (`chunk` rows at most: S = 61 in
+  one, or in 3 of 24 rows, 61 padded to 72 with zeros; 64 in 4 of 16). Every output
+  within the bound of one fp32 sum of 3K exact products (`bounds.bf16x3_in_one_sum`) and
+  within HIGHEST's relative Frobenius error, bit for bit the same on a second call; S = 61
+  leaves partial tiles in every staging job."""
+  monkeypatch.setattr(mosaic_backward, "WEIGHT_GRAD_CHUNK", chunk)
   inputs = helpers.backward_inputs(tokens, 128, 256)
   problem = _problem(tokens, jnp.float32, precision.canonicalize(preset), 128, 256)
   fn = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))
@@ -381,3 +386,13 @@ def test_bf16x3_propagates_nan_and_inf_like_the_reference():
   ours, ref = run(*inputs), helpers.backward_float64(*inputs)
   for name, a, b in zip(helpers.OUT_NAMES, ours, ref):
     np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
+
+
+@pytest.mark.parametrize("tokens, chunk, expected", [
+    (1024, 1024, (1, 1024)), (1025, 1024, (2, 520)), (4096, 1024, (4, 1024)),
+    (1, 1024, (1, 1)), (61, 24, (3, 24)), (2500, 1024, (3, 840))])
+def test_weight_grad_chunks_cover_s_in_whole_groups_of_8(tokens, chunk, expected):
+  chunks, rows = mosaic_backward.weight_grad_chunks(tokens, chunk)
+  assert (chunks, rows) == expected
+  assert chunks * rows >= tokens and (chunks - 1) * rows < tokens
+  assert chunks == 1 or (rows <= chunk and rows % 8 == 0)

@@ -69,12 +69,14 @@ import pathlib
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic import engine
 from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
-from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.backends.shared import sum_in_order
+from vision_mlp_bwd.precision import DotMode, xla_dot_general
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
@@ -201,13 +203,23 @@ BF16X3_MODES = (DotMode.HIGHEST, DotMode.BF16X3)
 # (grad_output, the pre-GELU gradient) lo, hi, hi and the right ones hi, lo, hi, so that
 # piece t of one meets piece t of the other (`precision.kernel_dot`'s three products).
 LEFT_PIECES, RIGHT_PIECES = ("lo", "hi", "hi"), ("hi", "lo", "hi")
+# Tensor cores keep a product's fp32 sum in their accumulator, which rounds toward zero:
+# over the weight gradients' K = 3S terms its error grows with S (on the H200, 3.0e-5
+# relative Frobenius error at S=8192, against HIGHEST's 1e-5). So those products sum S in
+# chunks of at most this many rows, one product each, whose fp32 partials are added in
+# order, rounding to nearest (benchmarks/NOTES.md, 54).
+WEIGHT_GRAD_CHUNK = 1024
 
 
 def _bf16x3_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output,
-                     gelu_output, problem: Problem, interpret: bool):
+                     gelu_output, problem: Problem, interpret: bool,
+                     chunk: int | None = None):
   """HIGHEST's bf16x3 as XLA's dots of the inputs' pieces side by side (see the module
-  docstring), fp32 inputs."""
+  docstring), fp32 inputs; the weight gradients in `weight_grad_chunks` (`chunk`: at most
+  that many rows each, default `WEIGHT_GRAD_CHUNK`)."""
   tokens, bf16, pieces = problem.tokens, jnp.dtype(jnp.bfloat16), len(LEFT_PIECES)
+  chunks, chunk_rows = weight_grad_chunks(tokens, chunk or WEIGHT_GRAD_CHUNK)
+  rows = chunks * chunk_rows   # S, or zero rows past it to whole chunks
 
   def launch(jobs, name):
     return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
@@ -216,27 +228,44 @@ def _bf16x3_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_outp
     return staging.Cast(x.shape, bf16, terms=order, terms_along=along, finished=False,
                         **options), (x,)
 
+  def weight_grad(a3, b3):
+    """a.T @ b over S from the pieces `[rows, 3C]`: one product per chunk of rows (as
+    `[chunks, 3 chunk_rows, C]`), the fp32 partials added first to last."""
+    as_chunks = lambda x3: x3.reshape(chunks, pieces * chunk_rows, -1)
+    partials = xla_dot_general(as_chunks(a3), as_chunks(b3), (((1,), (1,)), ((0,), (0,))),
+                               problem.mode)
+    return sum_in_order(partials) if chunks > 1 else partials[0]
+
   # One pass over every input: its pieces, and grad_output's column sums (grad_fc2_bias) as
   # partial rows. The products wait for it (XLA would otherwise run it beside them).
   (dy3, fc2_bias_parts), x3, gelu3, w1_3, w2_3 = lax.optimization_barrier(tuple(launch(
-      [split(grad_output, LEFT_PIECES, "columns", sums=True),
-       split(hidden_state, RIGHT_PIECES, "columns"),
-       split(gelu_output, RIGHT_PIECES, "columns"),
+      [split(grad_output, LEFT_PIECES, "columns", sums=True, rows=rows),
+       split(hidden_state, RIGHT_PIECES, "columns", rows=rows),
+       split(gelu_output, RIGHT_PIECES, "columns", rows=rows),
        split(fc1_weight, RIGHT_PIECES, "rows"),
        split(fc2_weight, RIGHT_PIECES, "rows")], "mlp_backward_staging")))
-  by_rows = lambda x3: x3.reshape(pieces * tokens, -1)   # [S, 3C] as [3S, C]
-  grad_fc2_weight = reference.weight_grad(by_rows(dy3), by_rows(gelu3), problem.mode)
+  grad_fc2_weight = weight_grad(dy3, gelu3)
   product = reference.input_grad(dy3, w2_3, problem.mode)   # grad_output @ fc2_weight
+  # (its rows past S are zero, and so are gelu' times them: fc1_output reads zeros there)
   (pre3, fc1_bias_parts), grad_fc2_bias = launch(
       [(staging.Cast(product.shape, bf16, sums=True, finished=False, terms=LEFT_PIECES,
                      epilogue=reference.gelu_backward, block=PRE_GELU_PASS_BLOCK),
         (product, fc1_output)),
        (staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_pre_gelu")
-  grad_fc1_weight = reference.weight_grad(by_rows(pre3), by_rows(x3), problem.mode)
-  grad_hidden_state = reference.input_grad(pre3, w1_3, problem.mode)
+  grad_fc1_weight = weight_grad(pre3, x3)
+  grad_hidden_state = reference.input_grad(pre3, w1_3, problem.mode)[:tokens]
   (grad_fc1_bias,) = launch([(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
                             "mlp_backward_bias_sums")
   return grad_hidden_state, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
+
+
+def weight_grad_chunks(tokens: int, chunk: int) -> tuple[int, int]:
+  """(chunks, rows of each) over which bf16x3's weight gradients sum S rows: as few chunks
+  of at most `chunk` rows as cover S, each a whole number of groups of 8 rows."""
+  chunks = pl.cdiv(tokens, chunk)
+  if chunks == 1:
+    return 1, tokens
+  return chunks, padded_rows(pl.cdiv(tokens, chunks))
 
 
 def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,
