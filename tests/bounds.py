@@ -241,7 +241,10 @@ def arithmetic(precision, dtype, platform=None) -> Arithmetic:
       tf32 = Rounding(TF32_TRUNCATION, ROUNDINGS["tf32"].eta) if gpu else EXACT
       return Arithmetic(tf32, tf32, EXACT, EXACT, EXACT, f16_scaled=gpu, **common)
     if mode in (DotMode.HIGHEST, DotMode.BF16X3):
-      return Arithmetic(EXACT, EXACT, EXACT, EXACT, EXACT, bf16x3=True, **common)
+      # On the GPU the automatic choice may run either bf16x3 (the Triton kernels' or the
+      # Mosaic backend's products over the pieces): the bound of the longer sums covers both.
+      return Arithmetic(EXACT, EXACT, EXACT, EXACT, EXACT, bf16x3=True, bf16x3_one_sum=gpu,
+                        **common)
     if mode == DotMode.F32:
       return Arithmetic(EXACT, EXACT, EXACT, EXACT, EXACT, **common)
     r = ROUNDINGS[jnp.dtype(mode.operand_dtype).name]   # F16 / BF16: cast operands, pre stored so

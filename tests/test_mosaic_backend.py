@@ -149,11 +149,14 @@ def _routing_runs():
 @pytest.mark.parametrize("dtype, mode, inputs", [(jnp.float32, DotMode.F16, "fp32 in, F16"),
                                                  (jnp.float32, DotMode.TF32, "fp32 in, DEFAULT"),
                                                  (jnp.bfloat16, DotMode.BF16, "bf16 in"),
-                                                 (jnp.float16, DotMode.F16, "f16 in")])
+                                                 (jnp.float16, DotMode.F16, "f16 in"),
+                                                 (jnp.float32, DotMode.HIGHEST,
+                                                  "fp32 in, HIGHEST"),
+                                                 (jnp.float32, DotMode.BF16X3, "fp32 in, HIGH")])
 def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
   """The automatic choice takes the backend only where it measured faster than every other
-  implementation in the cited runs (fp32 inputs under F16 and DEFAULT, 16-bit inputs at the
-  default precision), and each routed range ends at measured S."""
+  implementation in the cited runs (fp32 inputs under F16, DEFAULT, HIGHEST and HIGH,
+  16-bit inputs at the default precision), and each routed range ends at measured S."""
   runs = _routing_runs()
   measured = {tokens for name, tokens in runs if name == inputs}
   assert measured, f"no cited run measured {inputs}"
