@@ -50,6 +50,7 @@ RUNS = [
     "benchmarks/results/runs/2026-11-30/h200_20261130-022805.json",
     "benchmarks/results/runs/2026-12-01/h200_20261201-092423.json",
     "benchmarks/results/runs/2026-12-03/h200_20261203-071923.json",
+    "benchmarks/results/runs/2026-12-04/h200_20261204-164221.json",
 ]
 
 FIELDS = ("status", "backend", "same_as", "median_us", "p10_us", "p90_us", "floor_us",

@@ -9,8 +9,9 @@
 
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
-the f16 engine) and under F16_F16_F32, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`, and `fp32-default-off-window`). XLA's autotuning of its dots under memcheck
+the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs (`--runs` picks some:
+`fp32-default`, `fp32-f16`, `bf16`, `fp32-default-off-window`, and `fp32-highest`,
+bf16x3 over the inputs' pieces). XLA's autotuning of its dots under memcheck
 takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
 run, not our kernels.
 """
@@ -27,9 +28,10 @@ F16 = jax.lax.DotAlgorithmPreset.F16_F16_F32
 RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
         "bf16": (jnp.bfloat16, None),
         # DEFAULT's checked scales copying tiles again (`helpers.off_the_speculated_scale`)
-        "fp32-default-off-window": (jnp.float32, None)}
+        "fp32-default-off-window": (jnp.float32, None),
+        "fp32-highest": (jnp.float32, jax.lax.Precision.HIGHEST)}
 IMPLEMENTATIONS = {"triton": ("fp32-default", "fp32-f16"),
-                   "mosaic": ("fp32-default", "fp32-f16", "bf16")}
+                   "mosaic": ("fp32-default", "fp32-f16", "bf16", "fp32-highest")}
 
 parser = argparse.ArgumentParser(prog="python -m tests.sanitize_run")
 parser.add_argument("seq_lens", type=int, nargs="*", default=[1, 131, 293])
