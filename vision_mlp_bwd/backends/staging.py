@@ -456,14 +456,10 @@ def _sum_parts(parts, block, splits, block_rows, in_rows, in_cols):
   return total
 
 
-@dataclasses.dataclass(frozen=True)
-class Zeros:
-  """An int32 `[size]` array of zeros: the arrival counters of a later launch's product."""
+class _Vector:
+  """A job writing one `[size]` vector of one value (`value(in_refs)`), `block` elements a
+  program."""
 
-  size: int
-  block: int = 1024
-
-  num_inputs = 0
   num_outputs = 1
   aliases = {}
 
@@ -471,23 +467,38 @@ class Zeros:
   def programs(self) -> int:
     return pl.cdiv(self.size, self.block)
 
-  def check(self, operands):
-    assert not operands, operands
-
   def out_shapes(self, like):
-    return [out_struct((self.size,), jnp.int32, like)]
+    return [out_struct((self.size,), self.dtype, like)]
 
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del in_refs, mode, interpret
+    del mode, interpret
     indices, mask = span(program, self.block, self.size)
-    plgpu.store(out_refs[0].at[indices], jnp.zeros((self.block,), jnp.int32), mask=mask)
+    plgpu.store(out_refs[0].at[indices],
+                jnp.full((self.block,), self.value(in_refs), self.dtype), mask=mask)
 
   def finish(self, outs):
     return outs[0]
 
 
 @dataclasses.dataclass(frozen=True)
-class SpeculatedScale:
+class Zeros(_Vector):
+  """An int32 `[size]` array of zeros: the arrival counters of a later launch's product."""
+
+  size: int
+  block: int = 1024
+
+  num_inputs = 0
+  dtype = jnp.int32
+
+  def check(self, operands):
+    assert not operands, operands
+
+  def value(self, in_refs):
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculatedScale(_Vector):
   """An fp32 `[size]` vector of one value: the scale a speculated `Cast` of an input takes,
   `precision.speculated_scale` of the sample of `x [R, C]` (its one input): for a checked
   `Cast`, which then loads one value rather than reduce the sample again in each of its
@@ -498,27 +509,13 @@ class SpeculatedScale:
   block: int = 1024
 
   num_inputs = 1
-  num_outputs = 1
-  aliases = {}
-
-  @property
-  def programs(self) -> int:
-    return pl.cdiv(self.size, self.block)
+  dtype = jnp.float32
 
   def check(self, operands):
     assert len(operands) == 1 and operands[0].shape == tuple(self.shape), (self, operands)
 
-  def out_shapes(self, like):
-    return [out_struct((self.size,), jnp.float32, like)]
-
-  def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del mode, interpret
-    indices, mask = span(program, self.block, self.size)
-    plgpu.store(out_refs[0].at[indices],
-                jnp.full((self.block,), _sample_scale(in_refs[0]), jnp.float32), mask=mask)
-
-  def finish(self, outs):
-    return outs[0]
+  def value(self, in_refs):
+    return _sample_scale(in_refs[0])
 
 
 @dataclasses.dataclass(frozen=True)
