@@ -278,10 +278,11 @@ class Cast:
                                     else (0, t * c))
           term_index, _ = tile_indices(rows + row_offset, row_mask, cols + col_offset, col_mask)
           plgpu.store(copy_refs[0].at[term_index], pieces[term], mask=mask)
-      for i, copy_ref in enumerate(() if self.terms else copy_refs):
-        value = (scaled_f16_operand(x, line_scales[i][0]) if self.scales
-                 else x.astype(copy_ref.dtype))
-        plgpu.store(copy_ref.at[index], value, mask=mask)
+      else:
+        for i, copy_ref in enumerate(copy_refs):
+          value = (scaled_f16_operand(x, line_scales[i][0]) if self.scales
+                   else x.astype(copy_ref.dtype))
+          plgpu.store(copy_ref.at[index], value, mask=mask)
       if self.sums:
         total = total + jnp.sum(x.astype(jnp.float32), axis=0)
       if self.maxima:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from vision_mlp_bwd.backends.mosaic.backward_sm90 import TABLES, backward
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE
 from vision_mlp_bwd.backends.shared import in_ranges
-from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.precision import BF16X3_MODES, DotMode
 from vision_mlp_bwd.problem import Problem
 
 __all__ = ["BACKEND", "backward"]
@@ -24,8 +24,8 @@ class MosaicBackend:
   name = "mosaic"
 
   def unsupported_reason(self, problem: Problem, platform: str) -> str | None:
-    on_16_bit_products = problem.dtype == jnp.float32 and problem.mode in (
-        DotMode.TF32, DotMode.HIGHEST, DotMode.BF16X3)
+    on_16_bit_products = problem.dtype == jnp.float32 and (
+        problem.mode == DotMode.TF32 or problem.mode in BF16X3_MODES)
     if problem.mode.operand_dtype is None and not on_16_bit_products:
       return (f"{problem.mode.name} on {problem.dtype.name} inputs multiplies in 32 bits "
               "beyond TF32 and bf16x3; this backend runs 16-bit products (F16_F16_F32 or "

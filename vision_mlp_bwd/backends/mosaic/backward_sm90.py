@@ -76,7 +76,7 @@ from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic import engine
 from vision_mlp_bwd.backends.mosaic.tiles import padded_rows
 from vision_mlp_bwd.backends.shared import sum_in_order
-from vision_mlp_bwd.precision import DotMode, xla_dot_general
+from vision_mlp_bwd.precision import BF16X3_MODES, DotMode, xla_dot_general
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
@@ -198,7 +198,6 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
           grad_fc2_weight, grad_fc2_bias.astype(dtype))
 
 
-BF16X3_MODES = (DotMode.HIGHEST, DotMode.BF16X3)
 # The pieces each operand contributes, in the order of the contraction: the left operands
 # (grad_output, the pre-GELU gradient) lo, hi, hi and the right ones hi, lo, hi, so that
 # piece t of one meets piece t of the other (`precision.kernel_dot`'s three products).

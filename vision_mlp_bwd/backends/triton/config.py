@@ -16,7 +16,7 @@ import importlib.resources
 import json
 
 from vision_mlp_bwd.backends.shared import in_ranges
-from vision_mlp_bwd.precision import DotMode
+from vision_mlp_bwd.precision import BF16X3_MODES, DotMode
 from vision_mlp_bwd.problem import Problem
 
 
@@ -283,7 +283,7 @@ def default_config(problem: Problem) -> Config:
   rows = TABLES.tables
   if problem.mode.operand_dtype is not None or problem.dtype.itemsize == 2:
     table = rows["sixteen_bit"]
-  elif problem.mode in (DotMode.HIGHEST, DotMode.BF16X3):
+  elif problem.mode in BF16X3_MODES:
     table = rows["three_pass"]
   else:
     if problem.mode == DotMode.TF32 and _row(rows["tf32_on_f16"], problem.tokens) is not None:
