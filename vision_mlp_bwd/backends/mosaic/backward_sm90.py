@@ -180,14 +180,21 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
   pre_rows = (problem.tokens if rows_config is XLA_DOT and weight_config is XLA_DOT
               else padded)
   inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
+  gelu_rows = problem.tokens if inputs_for_fc2_weight else padded
+  # With copy programs, the fused product's launch copies the operands only the products
+  # after it read (hidden_state, gelu_output, fc1_weight) beside its blocks.
+  side = isinstance(pre_config, engine.GemmConfig) and pre_config.copy_programs > 0
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret, hidden_rows=pre_rows,
-      gelu_rows=problem.tokens if inputs_for_fc2_weight else padded)
+      interpret, hidden_rows=pre_rows, gelu_rows=gelu_rows, staged=(0, 4) if side else None)
+  side_copies = ((hidden_state, pre_rows), (gelu_output, gelu_rows),
+                 (fc1_weight, fc1_weight.shape[0])) if side else ()
+  (grad_pre16, fc1_bias_parts), copies = _pre_gelu_grad(
+      grad_out16, w2, fc1_output, pre_config, problem, pre_rows, interpret, side_copies)
+  if side:
+    hidden16, gelu16, w1 = copies
   grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
                                  weight_config, problem)
-  grad_pre16, fc1_bias_parts = _pre_gelu_grad(grad_out16, w2, fc1_output, pre_config,
-                                              problem, pre_rows, interpret)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)
   grad_hidden_state = _input_grad(grad_pre16, w1, rows_config, problem)
   (grad_hidden_state, grad_fc1_weight, grad_fc2_weight, grad_fc1_bias,
@@ -268,11 +275,12 @@ def weight_grad_chunks(tokens: int, chunk: int) -> tuple[int, int]:
 
 
 def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, problem: Problem,
-                   out_rows: int, interpret: bool):
-  """The pre-GELU gradient in the operand dtype with `out_rows` rows, and its bias
-  gradient's partial sums: the engine's product with the GELU derivative in its epilogue,
-  or (XLA_DOT, fp32 inputs) XLA's fp32 product and one staging pass that applies the
-  derivative, stores the 16-bit copy and sums the fp32 columns."""
+                   out_rows: int, interpret: bool, side_copies=()):
+  """((the pre-GELU gradient in the operand dtype with `out_rows` rows, its bias
+  gradient's partial sums), `side_copies` made by the same launch): the engine's product
+  with the GELU derivative in its epilogue, or (XLA_DOT, fp32 inputs) XLA's fp32 product
+  and one staging pass that applies the derivative, stores the 16-bit copy and sums the
+  fp32 columns."""
   dtype, operand = problem.dtype, problem.mode.operand_dtype
   if config is XLA_DOT:
     product = reference.input_grad(grad_out16, fc2_weight16, problem.mode)   # rows x weight
@@ -282,15 +290,16 @@ def _pre_gelu_grad(grad_out16, fc2_weight16, fc1_output, config: Product, proble
                        block=PRE_GELU_PASS_BLOCK),
           (product, fc1_output))],
         mode=problem.mode, interpret=interpret, name="mlp_backward_pre_gelu")
-    return pass_out
+    return pass_out, ()
   sixteen_bit = jnp.dtype(dtype).itemsize == 2
   pre_gelu = ((lambda acc, x: reference.gelu_backward(acc.astype(dtype), x)) if sixteen_bit
               else reference.gelu_backward)
-  return engine.matmul(
+  result = engine.matmul(
       grad_out16, fc2_weight16, out_dtype=operand, config=config,
       epilogue=pre_gelu, epilogue_operand=fc1_output,
       column_sums="stored" if sixteen_bit else "unrounded", approx_math=True,
-      partial_reductions=True, out_rows=out_rows)
+      partial_reductions=True, out_rows=out_rows, side_copies=side_copies)
+  return (result, ()) if not side_copies else result
 
 
 def _weight_grad(rows_a, rows_b, config: Product, problem: Problem):
@@ -313,7 +322,8 @@ def _input_grad(grad_pre, fc1_weight, config: Product, problem: Problem):
 
 
 def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand,
-                     problem: Problem, interpret: bool, hidden_rows: int, gelu_rows: int):
+                     problem: Problem, interpret: bool, hidden_rows: int, gelu_rows: int,
+                     staged=None):
   """The products' 16-bit operands and grad_fc2_bias's partial sums, from one staging launch.
 
   Each input that is not yet in the operand dtype with its rows (grad_output's padded to
@@ -322,13 +332,14 @@ def _staged_operands(grad_output, hidden_state, gelu_output, fc1_weight, fc2_wei
   so (`staging.Cast`, zero rows past S), read once; grad_output's column sums (the bias
   gradient, of its values as given) come from the same read, as partial rows. Returns
   `((grad_output, its partial column sums), hidden_state, gelu_output, fc1_weight,
-  fc2_weight)`."""
+  fc2_weight)`; with `staged`, only the inputs of those indices are staged, the others
+  returned as given."""
   arrays = (grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight)
   padded = padded_rows(problem.tokens)
   rows = (padded, hidden_rows, gelu_rows, fc1_weight.shape[0], fc2_weight.shape[0])
   jobs = {}
   for i, (x, x_rows) in enumerate(zip(arrays, rows)):
-    copy = x.dtype != operand or x_rows != x.shape[0]
+    copy = (x.dtype != operand or x_rows != x.shape[0]) and (staged is None or i in staged)
     if copy or i == 0:   # grad_output's column sums, always
       jobs[i] = staging.Cast(x.shape, jnp.dtype(operand) if copy else None, rows=x_rows,
                              sums=i == 0, finished=False)

@@ -107,6 +107,9 @@ class GemmConfig:
   # Each block's steps are rounded up to whole rings (reading zeros past K), and no
   # wgmma group stays in flight (mma_in_flight=0).
   chained: bool = False
+  # Programs that make `matmul`'s side copies instead of computing blocks (the blocks go to
+  # the SM count less these): a memory-bound pass run beside the product in its launch.
+  copy_programs: int = 0
 
   @property
   def block(self) -> tuple[int, int]:
@@ -120,6 +123,8 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
+    if self.copy_programs < 0:
+      raise ValueError(f"GemmConfig.copy_programs must be >= 0: {self}")
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
@@ -252,7 +257,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
            line_maxima: bool = False, row_scale=None, col_scale=None,
            approx_math: bool = False, partial_reductions: bool = False,
            defer_tail: bool = False, out_rows: int | None = None, speculated_copies: int = 0,
-           copy_scale=None, interpret=None):
+           copy_scale=None, side_copies=(), interpret=None):
   """`op(a) @ b` in fp32 accumulation, stored as `out_dtype`; see the module docstring.
 
   With `epilogue`, stores `epilogue(acc, epilogue_operand)` computed in fp32
@@ -273,7 +278,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   padded to whole groups of 8 rows, without a copy). `speculated_copies` (with an
   epilogue, an fp32 output and `copy_scale` [N], fp32) returns that many f16 arrays after
   the output, each `precision.scaled_f16_operand(value, copy_scale)` of the stored fp32
-  values (`staging.SpeculatedScale` makes `copy_scale`). `interpret` is `plgpu.kernel`'s
+  values (`staging.SpeculatedScale` makes `copy_scale`). `side_copies`, `(x, rows)` pairs
+  (x fp32 `[R, C]`), are copied to the operands' dtype with `rows` rows (zeros past R) by
+  `config.copy_programs` programs of the same launch while the others compute the product
+  (see `_copy_tiles`); the result is then `(product's result, copies)`. `interpret` is
+  `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
   if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
@@ -323,7 +332,21 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
         epilogue_operand.shape[0] > m):
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
-  plan = schedule(m, n, k, config, num_programs or num_sms())
+  side_copies = tuple(side_copies)
+  if bool(side_copies) != bool(config.copy_programs):
+    raise ValueError(f"matmul: {len(side_copies)} side copies with GemmConfig.copy_programs="
+                     f"{config.copy_programs}; side copies need copy programs and copy "
+                     "programs need side copies.")
+  for i, (x, rows) in enumerate(side_copies):
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] % COPY_COLUMN_MULTIPLE or rows < 1:
+      raise ValueError(f"matmul: side_copies[{i}] is {x.dtype} {x.shape} to {rows} rows; "
+                       f"expected a float32 [R, C] array, C a multiple of "
+                       f"{COPY_COLUMN_MULTIPLE}, to rows >= 1.")
+  programs = num_programs or num_sms()
+  if not 0 <= config.copy_programs < programs:
+    raise ValueError(f"matmul: GemmConfig.copy_programs={config.copy_programs} leaves no "
+                     f"program of {programs} for the product.")
+  plan = schedule(m, n, k, config, programs - config.copy_programs)
   smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
                              None if epilogue is None else epilogue_operand.dtype,
                              column_sums is not None, row_scale is not None, line_maxima,
@@ -337,7 +360,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   scales = () if row_scale is None else (row_scale, col_scale)
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
-                             line_maxima=line_maxima, speculated_copies=speculated_copies)
+                             line_maxima=line_maxima, speculated_copies=speculated_copies,
+                             side_copies=len(side_copies),
+                             copy_programs=config.copy_programs)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
@@ -350,14 +375,26 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
+  out_types += [jax.ShapeDtypeStruct((rows, x.shape[1]), a.dtype) for x, rows in side_copies]
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
-      grid=(plan.programs,), grid_names=("program",), num_threads=3, thread_name="wg",
+      grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
-    *(() if copy_scale is None else (copy_scale,)))
+    *(() if copy_scale is None else (copy_scale,)), *(x for x, _ in side_copies))
+  if side_copies:
+    outs, copies = outs[:-len(side_copies)], tuple(outs[-len(side_copies):])
+    return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
+                           speculated_copies, defer_tail, interpret), copies
+  return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
+                         speculated_copies, defer_tail, interpret)
+
+
+def _product_result(outs, plan: Schedule, config: GemmConfig, column_sums, line_maxima,
+                    partial_reductions, speculated_copies, defer_tail, interpret):
+  """What `matmul` returns from the kernel's product outputs (see its docstring)."""
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
@@ -408,11 +445,32 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool, speculated_copies: int):
+            line_maxima: bool, speculated_copies: int, side_copies: int, copy_programs: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
   copy_scale_gmem = refs.pop(0) if speculated_copies else None
+  side_sources = [refs.pop(0) for _ in range(side_copies)]
+  side_targets = [refs.pop() for _ in range(side_copies)][::-1]
+  # Programs from plan.programs on copy and find no blocks of the product; the others find
+  # no tiles to copy. (Branching on the program failed in Pallas's interpret mode, and so
+  # did copies after the product's scope there: its scoped allocations are matched across
+  # threads by their order.)
+  if side_copies:
+    _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs)
+  _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
+                   copy_scale_gmem, *refs, config=config, transpose_a=transpose_a, plan=plan,
+                   epilogue=epilogue, column_sums=column_sums, scaled=scaled,
+                   line_maxima=line_maxima, speculated_copies=speculated_copies)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
+                     copy_scale_gmem, *refs, config: GemmConfig, transpose_a: bool,
+                     plan: Schedule, epilogue: Callable | None, column_sums: str | None,
+                     scaled: bool, line_maxima: bool, speculated_copies: int):
+  """One program's blocks of the product (`refs`: the product's outputs)."""
+  refs = list(refs)
   out_gmem = refs.pop(0)
   copies_gmem = [refs.pop(0) for _ in range(speculated_copies)]
   sums_gmem = refs.pop(0) if column_sums else None
@@ -641,27 +699,94 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     chain, whole_here = (lambda seq: None), 0
     if config.chained:   # this program's pipelines: its whole blocks, then its K-parts
       START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
-      program, programs = lax.axis_index("program"), plan.programs
-      count_here = lambda n: jnp.maximum(n - program + programs - 1, 0) // programs
-      whole_here = count_here(plan.whole)
-      pipelines_here = whole_here + (count_here(plan.tail * plan.splits) if partial_gmem else 0)
+      whole_here = _count_here(plan.whole, lax.axis_index("program"), plan.programs)
+      pipelines_here = whole_here + (_count_here(plan.tail * plan.splits,
+                                                 lax.axis_index("program"), plan.programs)
+                                     if partial_gmem else 0)
       chain = lambda seq: seq
 
+    program = lax.axis_index("program")
     if plan.whole:
-      @plgpu.nd_loop((plan.whole,), collective_axes="program")
-      def _whole_blocks(loop):
-        (index,) = loop.index
-        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(loop.local_index))
+      @_strided_loop(plan.whole, program, plan.programs)
+      def _whole_blocks(index, local_index):
+        run_block(*whole_block(index), 0, plan.whole_steps, seq=chain(local_index))
     if partial_gmem:
-      @plgpu.nd_loop((plan.tail * plan.splits,), collective_axes="program")
-      def _tail_parts(loop):
-        (index,) = loop.index
+      @_strided_loop(plan.tail * plan.splits, program, plan.programs)
+      def _tail_parts(index, local_index):
         run_block(*tail_part(index), plan.steps_per_split, partial_index=index,
-                  seq=chain(whole_here + loop.local_index))
+                  seq=chain(whole_here + local_index))
     if reduces_columns:
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
         plgpu.barrier_wait(reduction_turn.at[0])
 
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+
+def _count_here(count: int, first, stride: int):
+  """How many of the indices first, first + stride, ... lie below `count`: none unless
+  0 <= first < stride (one of `stride` lanes)."""
+  here = jnp.maximum(count - first + stride - 1, 0) // stride
+  return lax.select((first >= 0) & (first < stride), here, jnp.zeros_like(here))
+
+
+def _strided_loop(count: int, first, stride: int):
+  """Runs the decorated `body(index, local_index)` for index = first, first + stride, ...
+  below `count` (local_index = 0, 1, ...): a persistent program's share of `count` items."""
+  def decorator(body):
+    def step(local_index, carry):
+      body(first + local_index * stride, local_index)
+      return carry
+    lax.fori_loop(0, _count_here(count, first, stride), step, None)
+  return decorator
+
+
+# Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
+# in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
+# tile's loads and stores are contiguous across a warpgroup's threads).
+COPY_TILE = (32, 128)
+COPY_LOADS, COPY_STORES = 3, 2
+COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
+
+
+def _copy_tiles(sources, targets, *, first_program: int, workers: int):
+  """Copy program `worker` of `workers` (programs from `first_program` on): each of its 3 warpgroups copies every
+  (3 workers)-th `COPY_TILE` tile of each source into its 16-bit target (TMA fills rows
+  past the source with zeros and drops tiles past the target's end)."""
+  rows, cols = COPY_TILE
+
+  @functools.partial(
+      pl.run_scoped,
+      loaded=plgpu.SMEM((3, COPY_LOADS, rows, cols), jnp.float32),
+      rounded=plgpu.SMEM((3, COPY_STORES, rows, cols), targets[0].dtype),
+      arrived=plgpu.Barrier(num_arrivals=1, num_barriers=3 * COPY_LOADS),
+      collective_axes="wg")
+  def _scope(loaded, rounded, arrived):
+    wg, worker = lax.axis_index("wg"), lax.axis_index("program") - first_program
+    lane, lanes = worker * 3 + wg, workers * 3
+    for source, target in zip(sources, targets):
+      tiles_n = pl.cdiv(target.shape[1], cols)
+      tiles = pl.cdiv(target.shape[0], rows) * tiles_n
+      count = _count_here(tiles, lane, lanes)
+
+      def tile(i):
+        r, c = divmod(lane + i * lanes, tiles_n)
+        return pl.ds(r * rows, rows), pl.ds(c * cols, cols)
+
+      def load(i):
+        slot = i % COPY_LOADS
+        plgpu.copy_gmem_to_smem(source.at[tile(i)], loaded.at[wg, slot],
+                                arrived.at[wg * COPY_LOADS + slot])
+
+      for i in range(COPY_LOADS - 1):   # the first loads in flight
+        pl.when(i < count)(functools.partial(load, i))
+
+      def step(i, carry):
+        pl.when(i + COPY_LOADS - 1 < count)(functools.partial(load, i + COPY_LOADS - 1))
+        slot, out_slot = i % COPY_LOADS, i % COPY_STORES
+        plgpu.barrier_wait(arrived.at[wg * COPY_LOADS + slot])
+        plgpu.wait_smem_to_gmem(COPY_STORES - 1, wait_read_only=True)
+        rounded[wg, out_slot] = loaded[wg, slot].astype(target.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(rounded.at[wg, out_slot], target.at[tile(i)])
+        return carry
+      lax.fori_loop(0, count, step, None)
