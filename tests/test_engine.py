@@ -83,8 +83,59 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
                                        r"expected float32 \[64\]"):
     engine.matmul(a16, b16, row_scale=jax.ShapeDtypeStruct((64,), jnp.float32),
                   col_scale=jax.ShapeDtypeStruct((32,), jnp.float32))
+  copying = engine.GemmConfig(tile_n=64, copy_programs=4)
+  x32 = jax.ShapeDtypeStruct((64, 96), jnp.float32)
+  with pytest.raises(ValueError, match="0 side copies with GemmConfig.copy_programs=4"):
+    engine.matmul(a16, b16, config=copying)
+  with pytest.raises(ValueError, match="1 side copies with GemmConfig.copy_programs=0"):
+    engine.matmul(a16, b16, side_copies=[(x32, 64)])
+  with pytest.raises(ValueError, match=r"side_copies\[0\] is float16 \(64, 128\) to 64 rows; "
+                                       r"expected a float32 \[R, C\] array"):
+    engine.matmul(a16, b16, config=copying, side_copies=[(a16, 64)])
+  with pytest.raises(ValueError, match=r"side_copies\[0\] is float32 \(64, 100\)"):
+    engine.matmul(a16, b16, config=copying,
+                  side_copies=[(jax.ShapeDtypeStruct((64, 100), jnp.float32), 64)])
+  with pytest.raises(ValueError, match="copy_programs=4 leaves no program of 4"):
+    engine.matmul(a16, b16, config=copying, side_copies=[(x32, 64)], num_programs=4)
+  with pytest.raises(ValueError, match="copy_programs must be >= 0"):
+    engine.GemmConfig(copy_programs=-1)
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
+
+
+@needs_lowering
+@pytest.mark.parametrize("tokens", [293, 4096])
+def test_the_fused_product_with_side_copies_lowers_at_full_size(tokens):
+  """The backward's fused product with copy programs (the tables' at S=293 and 4096):
+  its blocks on 132 - copy_programs programs, and hidden_state, gelu_output (padded to
+  whole groups of 8 rows) and fc1_weight copied to f16 by the rest, in one launch."""
+  rows = -(-tokens // 8) * 8
+  config = engine.GemmConfig(tile_n=64, stages=4, epilogue_tile=(64, 64), epilogue_buffers=1,
+                             chained=True, copy_programs=20)
+  shapes = dict(a=((rows, 1280), jnp.float16), b=((1280, 3584), jnp.float16),
+                x=((tokens, 3584), jnp.float32), h=((tokens, 1280), jnp.float32),
+                w1=((3584, 1280), jnp.float32))
+  args = [jax.ShapeDtypeStruct(*v) for v in shapes.values()]
+
+  def fn(a, b, x, h, w1):
+    return engine.matmul(a, b, config=config, num_programs=132, out_dtype=jnp.float16,
+                         epilogue=lambda acc, t: acc * t, epilogue_operand=x,
+                         column_sums="unrounded", partial_reductions=True,
+                         side_copies=[(h, rows), (x, rows), (w1, 3584)])
+  lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+  assert [(o.shape, o.dtype) for o in lowered.out_info[1]] == [
+      ((rows, 1280), jnp.float16), ((rows, 3584), jnp.float16), ((3584, 1280), jnp.float16)]
+  assert lowered.as_text().count("mosaic_gpu") >= 1
+
+
+@pytest.mark.parametrize("count, stride", [(7, 3), (6, 3), (1, 4), (0, 2), (132, 132)])
+def test_a_strided_share_counts_each_item_once_and_none_outside_its_lanes(count, stride):
+  here = [int(engine._count_here(count, jnp.int32(lane), stride))
+          for lane in range(-stride, 2 * stride)]
+  assert here[:stride] == [0] * stride and here[2 * stride:] == [0] * stride
+  lanes = here[stride:2 * stride]
+  assert sum(lanes) == count and max(lanes) - min(lanes) <= 1
+  assert all(n == len(range(lane, count, stride)) for lane, n in enumerate(lanes))
 
 
 SCHEDULE_CASES = [  # (M, N, K, config, programs)

@@ -200,3 +200,29 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
   for copy in copies:
     assert copy.dtype == jnp.float16 and copy.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
+
+
+def test_copy_programs_in_interpret_mode_copy_every_element_bitwise():
+  """`_copy_tiles`, the side copies' programs, alone in a launch of 2 copy programs (6
+  warpgroups): each fp32 source rounded to the 16-bit dtype, bitwise, every element
+  written (unwritten ones read NaN), for sources of several tiles per warpgroup, of one
+  tile, and of fewer tiles than warpgroups. (The engine's launch with both blocks and
+  copy programs does not run in the interpreter: its scoped allocations are matched
+  across threads by their order, and it waits forever there; the GPU tests run it.)"""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows, cols = engine.COPY_TILE
+  shapes = [(12 * rows, 2 * cols), (rows, cols), (2 * rows, 3 * cols)]
+  keys = jax.random.split(jax.random.key(31), len(shapes))
+  sources = [jax.random.normal(key, shape, jnp.float32) * 2.0 ** 9
+             for key, shape in zip(keys, shapes)]
+
+  def kernel(*refs):
+    engine._copy_tiles(refs[:len(shapes)], refs[len(shapes):], first_program=0, workers=2)
+  copies = plgpu.kernel(
+      kernel, out_type=tuple(jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in shapes),
+      grid=(2,), grid_names=("program",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret_params.InterpretGPUParams())(*sources)
+  for source, copy in zip(sources, copies):
+    np.testing.assert_array_equal(np.asarray(copy), np.asarray(source.astype(jnp.bfloat16)))

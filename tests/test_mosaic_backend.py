@@ -39,7 +39,8 @@ TABLE_MODES = [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16),
                (jnp.float32, DotMode.TF32)]
 LOWERING_CASES = [*((2500, *m) for m in MODES),
                   *((tokens, *m) for tokens in (7, 8192) for m in TABLE_MODES),
-                  (1163, jnp.float32, DotMode.F16)]   # the pre-GELU product as XLA's dot
+                  (600, jnp.float32, DotMode.F16),    # the pre-GELU product as XLA's dot
+                  (293, jnp.float32, DotMode.F16)]    # its launch copying with copy programs
 
 
 @needs_lowering
@@ -211,9 +212,17 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
                 col_scale=None, partial_reductions=False, out_rows=None, speculated_copies=0,
-                copy_scale=None, **_):
+                copy_scale=None, side_copies=(), **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
   partial reductions as one part each)."""
+  if side_copies:
+    copies = tuple(jnp.pad(x, ((0, max(rows - x.shape[0], 0)), (0, 0)))[:rows].astype(a.dtype)
+                   for x, rows in side_copies)
+    return _jnp_engine(a, b, transpose_a=transpose_a, out_dtype=out_dtype, epilogue=epilogue,
+                       epilogue_operand=epilogue_operand, column_sums=column_sums,
+                       line_maxima=line_maxima, row_scale=row_scale, col_scale=col_scale,
+                       partial_reductions=partial_reductions, out_rows=out_rows,
+                       speculated_copies=speculated_copies, copy_scale=copy_scale), copies
   acc = jnp.matmul((a.T if transpose_a else a).astype(jnp.float32), b.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
   if row_scale is not None:
@@ -236,17 +245,24 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
 
 
 @pytest.mark.transcendental
-@pytest.mark.parametrize("dtype, precision, pre_gelu_on_xla", [
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False),
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, True), (jnp.bfloat16, None, False)],
-    ids=["fp32-f16", "fp32-f16-pre-gelu-on-xla", "bf16"])
+@pytest.mark.parametrize("dtype, precision, pre_gelu_on_xla, copy_programs", [
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, 0),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, 32),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, True, 0), (jnp.bfloat16, None, False, 0)],
+    ids=["fp32-f16", "fp32-f16-copy-programs", "fp32-f16-pre-gelu-on-xla", "bf16"])
 def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
-                                                  pre_gelu_on_xla):
+                                                  pre_gelu_on_xla, copy_programs):
   """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
   staged operands (the fused product a jnp stand-in for the engine, or on fp32 inputs
   XLA's dot too, and the staging pass of the GELU derivative): every output within its
-  bound at an S not a multiple of 8, and no copy only to pad what only XLA reads."""
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  bound at an S not a multiple of 8, and no copy only to pad what only XLA reads. With
+  copy programs, the fused product's launch makes the copies the later products read."""
+  side = []
+
+  def engine_recording_side_copies(*args, side_copies=(), **kwargs):
+    side.extend((x.shape, rows) for x, rows in side_copies)
+    return _jnp_engine(*args, side_copies=side_copies, **kwargs)
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", engine_recording_side_copies)
   staged, launch = [], mosaic_backward.staging.launch
 
   def recording_launch(pairs, **kwargs):
@@ -255,8 +271,10 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
   monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   xla = {name: ((None, mosaic_backward.XLA_DOT),)
          for name in ("fp32_inputs", "sixteen_bit_inputs")}
+  fused = {name: ((None, mosaic_backward.engine.GemmConfig(
+      tile_n=64, copy_programs=copy_programs)),) for name in xla}
   tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla,
-                               **({"pre_gelu": xla} if pre_gelu_on_xla else {}))
+                               pre_gelu=xla if pre_gelu_on_xla else fused)
   tokens = 61
   inputs = helpers.backward_inputs(tokens, 128, 256, dtype=dtype)
   problem = _problem(tokens, dtype, DotMode.F16 if dtype == jnp.float32 else DotMode.BF16,
@@ -271,12 +289,15 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
   # pre-GELU gradient), gelu_output padded as grad_output's copy beside it; on 16-bit
   # inputs nothing more (hidden_state and gelu_output only XLA's dots read, as given).
   copies = [((tokens, 128), 64)]
-  if dtype == jnp.float32:
-    copies += [((tokens, 128), tokens), ((tokens, 256), 64), ((256, 128), 256),
-               ((128, 256), 128)]
+  later = [((tokens, 128), tokens), ((tokens, 256), 64), ((256, 128), 256)]
+  if dtype == jnp.float32 and not copy_programs:
+    copies += [*later, ((128, 256), 128)]
+  elif copy_programs:   # grad_output and fc2_weight staged, the others copied beside
+    copies.append(((128, 256), 128))
   if pre_gelu_on_xla:   # then the GELU pass over XLA's product, into S rows
     copies.append(((64, 256), tokens))
   assert staged == copies
+  assert side == (later if copy_programs else [])
 
 
 def test_tf32_refuses_xla_dots():

@@ -171,6 +171,12 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
+def copy_shared_memory_bytes(dtype) -> int:
+  """Shared memory of a copy program's buffers (`_copy_tiles`)."""
+  tile = COPY_TILE[0] * COPY_TILE[1]
+  return 3 * tile * (COPY_LOADS * 4 + COPY_STORES * jnp.dtype(dtype).itemsize)
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
   """How a persistent grid of `programs` covers `grid_mn` blocks.
@@ -351,6 +357,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              None if epilogue is None else epilogue_operand.dtype,
                              column_sums is not None, row_scale is not None, line_maxima,
                              speculated_copies > 0)
+  if side_copies:   # the copies' buffers come after the product's, in the same space
+    smem = max(smem, copy_shared_memory_bytes(a.dtype))
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
                      f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
