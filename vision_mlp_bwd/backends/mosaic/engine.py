@@ -58,6 +58,13 @@ multiplied by them before the epilogue: that is how the TF32 products on the
 f16 engine unscale their power-of-two scaled operands, without a pass over
 the output.
 
+Side copies: with `config.copy_programs` = c > 0, the product's blocks go to the first
+P - c programs and the last c copy fp32 arrays (`side_copies`) to the operand dtype, a
+memory-bound pass beside a compute-bound one in one launch (two launches on one stream
+never overlap). The backward gives them the casts that only the products after the fused
+one read: their SMs would otherwise idle in a last partial wave, or cost the product
+fewer than the pass saves (benchmarks/NOTES.md, 55).
+
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
 count that is a multiple of 8 and a row length that is a multiple of 64
