@@ -7,7 +7,8 @@ cold L2 (`benchmarks/timing.py`): the Mosaic and Triton kernels and XLA on
 fp32 inputs under F16_F16_F32, and the same three on bf16 and f16 inputs at
 the default precision, each with the automatic choice, and Mosaic, XLA and the
 automatic choice on fp32 inputs at the default precision (TF32), and all four on fp32
-inputs under HIGHEST and HIGH (bf16x3 in the kernels); an implementation that cannot
+inputs under HIGHEST and HIGH (bf16x3 in the kernels) and BF16_BF16_F32; an
+implementation that cannot
 run here (the Mosaic one off Hopper) is left out. Writes
 `input_dtypes_<device>_<date>.{json,md}` into --out.
 """
@@ -48,7 +49,8 @@ COLUMNS = (("fp32 in, F16, mosaic", jnp.float32, F16, "mosaic"),
            *((f"fp32 in, {name}, {implementation or 'auto'}", jnp.float32, precision,
               implementation)
              for name, precision in (("HIGHEST", lax.Precision.HIGHEST),
-                                     ("HIGH", lax.Precision.HIGH))
+                                     ("HIGH", lax.Precision.HIGH),
+                                     ("BF16", lax.DotAlgorithmPreset.BF16_BF16_F32))
              for implementation in ("mosaic", "triton", "xla", None)))
 
 
