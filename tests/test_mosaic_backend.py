@@ -114,8 +114,9 @@ def test_it_runs_16_bit_products_on_hopper_only_and_says_why_not():
 
 def test_it_is_preferred_only_where_its_routing_says():
   backend = mosaic.BACKEND
-  assert backend.preferred(_problem(4096), "gpu") and not backend.preferred(_problem(384), "gpu")
-  assert not backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")   # not measured
+  assert backend.preferred(_problem(4096), "gpu") and not backend.preferred(_problem(256), "gpu")
+  assert backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")
+  assert not backend.preferred(_problem(292, mode=DotMode.BF16), "gpu")   # not measured
   assert backend.preferred(_problem(384, jnp.bfloat16, DotMode.BF16), "gpu")
   assert not backend.preferred(_problem(768, jnp.bfloat16, DotMode.BF16), "gpu")
   routed = dataclasses.replace(mosaic_backward.TABLES, routing={"float32": {"f16": [[1024, None]]}})
@@ -148,6 +149,7 @@ def _routing_runs():
 
 
 @pytest.mark.parametrize("dtype, mode, inputs", [(jnp.float32, DotMode.F16, "fp32 in, F16"),
+                                                 (jnp.float32, DotMode.BF16, "fp32 in, BF16"),
                                                  (jnp.float32, DotMode.TF32, "fp32 in, DEFAULT"),
                                                  (jnp.bfloat16, DotMode.BF16, "bf16 in"),
                                                  (jnp.float16, DotMode.F16, "f16 in"),
@@ -156,7 +158,7 @@ def _routing_runs():
                                                  (jnp.float32, DotMode.BF16X3, "fp32 in, HIGH")])
 def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
   """The automatic choice takes the backend only where it measured faster than every other
-  implementation in the cited runs (fp32 inputs under F16, DEFAULT, HIGHEST and HIGH,
+  implementation in the cited runs (fp32 inputs under F16, BF16, DEFAULT, HIGHEST and HIGH,
   16-bit inputs at the default precision), and each routed range ends at measured S."""
   runs = _routing_runs()
   measured = {tokens for name, tokens in runs if name == inputs}
