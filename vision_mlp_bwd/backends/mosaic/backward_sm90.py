@@ -16,8 +16,8 @@ input dtype, as `jnp.matmul` returns it. Where its config has copy programs
 (fp32 inputs), the staging launch copies only grad_output and fc2_weight, and
 the fused product's launch copies hidden_state, gelu_output and fc1_weight on
 SMs of its own, while the rest compute its blocks (`engine.matmul`'s side
-copies): the same copies, made beside the product instead of before it. Numerically it is the XLA backward
-with another fp32 accumulation order. The three plain products run on the
+copies): the same copies, made beside the product instead of before it.
+Numerically it is the XLA backward with another fp32 accumulation order. The three plain products run on the
 engine or, where the tables say so (`XLA_DOT`: cuBLAS measured faster on the
 H200), as XLA's dot of the same staged operands; so may the first on fp32
 inputs, its epilogue's work then one staging pass over XLA's fp32 product

@@ -142,6 +142,13 @@ BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
+# Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
+# in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
+# tile's loads and stores are contiguous across a warpgroup's threads; a deeper ring of
+# smaller tiles was no faster on the H200, benchmarks/NOTES.md, 55b).
+COPY_TILE = (32, 128)
+COPY_LOADS, COPY_STORES = 3, 2
+COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
@@ -711,16 +718,15 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         state = lax.select(seq == 0, START, lax.select(seq == pipelines_here - 1, STOP, STEADY))
         run(state)
 
+    program = lax.axis_index("program")
     chain, whole_here = (lambda seq: None), 0
     if config.chained:   # this program's pipelines: its whole blocks, then its K-parts
       START, STEADY, STOP = (jnp.int32(s) for s in plgpu.PipelinePipeline)
-      whole_here = _count_here(plan.whole, lax.axis_index("program"), plan.programs)
-      pipelines_here = whole_here + (_count_here(plan.tail * plan.splits,
-                                                 lax.axis_index("program"), plan.programs)
-                                     if partial_gmem else 0)
+      whole_here = _count_here(plan.whole, program, plan.programs)
+      pipelines_here = whole_here + (
+          _count_here(plan.tail * plan.splits, program, plan.programs) if partial_gmem else 0)
       chain = lambda seq: seq
 
-    program = lax.axis_index("program")
     if plan.whole:
       @_strided_loop(plan.whole, program, plan.programs)
       def _whole_blocks(index, local_index):
@@ -734,7 +740,6 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
         plgpu.barrier_wait(reduction_turn.at[0])
-
 
 
 def _count_here(count: int, first, stride: int):
@@ -755,18 +760,12 @@ def _strided_loop(count: int, first, stride: int):
   return decorator
 
 
-# Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
-# in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
-# tile's loads and stores are contiguous across a warpgroup's threads).
-COPY_TILE = (32, 128)
-COPY_LOADS, COPY_STORES = 3, 2
-COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
-
 
 def _copy_tiles(sources, targets, *, first_program: int, workers: int):
-  """Copy program `worker` of `workers` (programs from `first_program` on): each of its 3 warpgroups copies every
-  (3 workers)-th `COPY_TILE` tile of each source into its 16-bit target (TMA fills rows
-  past the source with zeros and drops tiles past the target's end)."""
+  """The copy programs' work (`workers` programs from `first_program` on; the others
+  find none): each of a program's 3 warpgroups copies every (3 workers)-th `COPY_TILE`
+  tile of each source into its 16-bit target (TMA fills rows past the source with zeros
+  and drops tiles past the target's end)."""
   rows, cols = COPY_TILE
 
   @functools.partial(
