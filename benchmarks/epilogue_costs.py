@@ -12,6 +12,7 @@ time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 
 import jax
@@ -46,6 +47,8 @@ def step_fn(step: str, tokens: int):
   if config is backward_sm90.XLA_DOT:
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")
+  # The product alone, on every SM: the table's copy programs copy the backward's inputs.
+  config = dataclasses.replace(config, copy_programs=0)
   options = dict(options)
   scaled = options.pop("scaled", False)
 

@@ -777,6 +777,7 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int):
   def _scope(loaded, rounded, arrived):
     wg, worker = lax.axis_index("wg"), lax.axis_index("program") - first_program
     lane, lanes = worker * 3 + wg, workers * 3
+    stored = 0   # this lane's stores so far: the store slots rotate across sources too
     for source, target in zip(sources, targets):
       tiles_n = pl.cdiv(target.shape[1], cols)
       tiles = pl.cdiv(target.shape[0], rows) * tiles_n
@@ -796,7 +797,8 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int):
 
       def step(i, carry):
         pl.when(i + COPY_LOADS - 1 < count)(functools.partial(load, i + COPY_LOADS - 1))
-        slot, out_slot = i % COPY_LOADS, i % COPY_STORES
+        # (the one store that may still read a slot is the lane's last, whichever source)
+        slot, out_slot = i % COPY_LOADS, (stored + i) % COPY_STORES
         plgpu.barrier_wait(arrived.at[wg * COPY_LOADS + slot])
         plgpu.wait_smem_to_gmem(COPY_STORES - 1, wait_read_only=True)
         rounded[wg, out_slot] = loaded[wg, slot].astype(target.dtype)
@@ -804,3 +806,4 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int):
         plgpu.copy_smem_to_gmem(rounded.at[wg, out_slot], target.at[tile(i)])
         return carry
       lax.fori_loop(0, count, step, None)
+      stored = stored + count
