@@ -17,11 +17,12 @@ input dtype, as `jnp.matmul` returns it. Where its config has copy programs
 the fused product's launch copies hidden_state, gelu_output and fc1_weight on
 SMs of its own, while the rest compute its blocks (`engine.matmul`'s side
 copies): the same copies, made beside the product instead of before it.
-Numerically it is the XLA backward with another fp32 accumulation order. The three plain products run on the
-engine or, where the tables say so (`XLA_DOT`: cuBLAS measured faster on the
-H200), as XLA's dot of the same staged operands; so may the first on fp32
-inputs, its epilogue's work then one staging pass over XLA's fp32 product
-(the same arithmetic, in Triton's exact exp and division).
+Numerically it is the XLA backward with another fp32 accumulation order. The
+three plain products run on the engine or, where the tables say so (`XLA_DOT`:
+cuBLAS measured faster on the H200), as XLA's dot of the same staged operands;
+so may the first on fp32 inputs, its epilogue's work then one staging pass
+over XLA's fp32 product (the same arithmetic, in Triton's exact exp and
+division).
 
 TF32 (DEFAULT on fp32 inputs) runs on the same f16 engine through
 `precision.py`'s power-of-two scaling: each operand is scaled along the
