@@ -57,14 +57,18 @@ def off_the_speculated_scale(inputs):
   grad_output wholly below it (a loss gradient's magnitude, which its speculated scale
   follows, `precision.speculated_scale`) but for its middle row, 2^16 above the rest;
   column 5 of hidden_state, fc1_weight, fc2_weight and gelu_output below the window,
-  and the middle row of hidden_state too (the samples the scales follow, the first 8
-  rows, keep the window)."""
+  and the middle row of hidden_state too; and one element of hidden_state, fc1_weight
+  and gelu_output 2^14 above it, outside the samples the scales follow (their first 8
+  rows and 128 columns), whose column the speculated scale would overflow."""
   inputs = list(inputs)
   middle = inputs[0].shape[0] // 2
   inputs[0] = (inputs[0] * 2.0 ** -24).at[middle].multiply(2.0 ** 16)
   for j in (1, 2, 4, 7):
     inputs[j] = inputs[j].at[:, 5].multiply(2.0 ** -16)
   inputs[1] = inputs[1].at[middle].multiply(2.0 ** -20)
+  for j in (1, 2, 7):   # hidden_state, fc1_weight, gelu_output
+    row, col = inputs[j].shape[0] - 1, inputs[j].shape[1] - 1
+    inputs[j] = inputs[j].at[row, col].set(2.0 ** 14)
   return tuple(inputs)
 
 

@@ -95,6 +95,17 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
   with pytest.raises(ValueError, match=r"side_copies\[0\] is float32 \(64, 100\)"):
     engine.matmul(a16, b16, config=copying,
                   side_copies=[(jax.ShapeDtypeStruct((64, 100), jnp.float32), 64)])
+  scale = jax.ShapeDtypeStruct((3,), jnp.float32)
+  with pytest.raises(ValueError, match=r"side_copies\[0\] has 1 more entries \[\(dtype\('float32'\), "
+                                       r"\(3,\)\)\] with bfloat16 operands; a scaled copy takes"):
+    engine.matmul(*(jax.ShapeDtypeStruct(v.shape, jnp.bfloat16) for v in (a16, b16)),
+                  config=copying, side_copies=[(x32, 64, scale)])
+  with pytest.raises(ValueError, match=r"side_copies\[0\] has 1 more entries \[\(dtype\('float16'\), "
+                                       r"\(3,\)\)\] with float16 operands"):
+    engine.matmul(a16, b16, config=copying,
+                  side_copies=[(x32, 64, jax.ShapeDtypeStruct((3,), jnp.float16))])
+  with pytest.raises(ValueError, match=r"side_copies\[0\] has 2 more entries"):
+    engine.matmul(a16, b16, config=copying, side_copies=[(x32, 64, scale, scale)])
   with pytest.raises(ValueError, match="copy_programs=4 leaves no program of 4"):
     engine.matmul(a16, b16, config=copying, side_copies=[(x32, 64)], num_programs=4)
   with pytest.raises(ValueError, match="copy_programs must be >= 0"):

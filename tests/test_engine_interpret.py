@@ -226,3 +226,45 @@ def test_copy_programs_in_interpret_mode_copy_every_element_bitwise():
       interpret=interpret_params.InterpretGPUParams())(*sources)
   for source, copy in zip(sources, copies):
     np.testing.assert_array_equal(np.asarray(copy), np.asarray(source.astype(jnp.bfloat16)))
+
+
+def test_scaled_copy_programs_in_interpret_mode_copy_bitwise_and_find_column_maxima():
+  """`_copy_tiles` with scales (DEFAULT's side copies): each fp32 source copied as
+  `scaled_f16_operand(x, scale[0])`, bitwise, and its partial column maxima `[P, C]`,
+  whose largest row is the largest finite |x| of each column, exactly (a maximum is
+  exact); NaN and Inf copied as the cast makes them and left out of the maxima; every
+  element of the copies and the partial rows written (unwritten ones read NaN). Shapes
+  of several row tiles per lane, one tile (lanes with no tiles write zero rows), and
+  three column strips."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows, cols = engine.COPY_TILE
+  workers = 2
+  shapes = [(12 * rows, 2 * cols), (rows, cols), (2 * rows, 3 * cols)]
+  keys = jax.random.split(jax.random.key(37), len(shapes))
+  sources = [jax.random.normal(key, shape, jnp.float32) * 2.0 ** 9
+             for key, shape in zip(keys, shapes)]
+  sources[0] = sources[0].at[5, 3].set(jnp.nan).at[rows + 1, cols + 7].set(-jnp.inf)
+  sources[2] = sources[2].at[rows, 2 * cols].set(jnp.inf)
+  scales = [jnp.array([2.0 ** e, 3.0, -1.0], jnp.float32) for e in (5, -3, 0)]
+  parts = [engine.copy_parts(workers, x) for x in sources]
+
+  def kernel(*refs):
+    n = len(shapes)
+    sources_, scales_, copies_, maxima_ = (refs[i * n:(i + 1) * n] for i in range(4))
+    engine._copy_tiles(sources_, copies_, first_program=0, workers=workers,
+                       scales=scales_, maxima=maxima_)
+  outs = plgpu.kernel(
+      kernel, out_type=tuple(jax.ShapeDtypeStruct(s, jnp.float16) for s in shapes)
+      + tuple(jax.ShapeDtypeStruct((p, s[1]), jnp.float32) for p, s in zip(parts, shapes)),
+      grid=(workers,), grid_names=("program",), num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+      interpret=interpret_params.InterpretGPUParams())(*sources, *scales)
+  copies, maxima = outs[:len(shapes)], outs[len(shapes):]
+  for source, scale, copy, partial_max in zip(sources, scales, copies, maxima):
+    want = precision.scaled_f16_operand(source, scale[0])
+    np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
+    partial_max = np.asarray(partial_max)
+    assert not np.isnan(partial_max).any()
+    np.testing.assert_array_equal(partial_max.max(axis=0),
+                                  np.asarray(precision.finite_abs(source)).max(axis=0))

@@ -218,8 +218,13 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
   partial reductions as one part each)."""
   if side_copies:
-    copies = tuple(jnp.pad(x, ((0, max(rows - x.shape[0], 0)), (0, 0)))[:rows].astype(a.dtype)
-                   for x, rows in side_copies)
+    copies = []
+    for x, rows, *scale in side_copies:   # scaled: (copy, its column maxima as one part)
+      copy = jnp.pad(x, ((0, max(rows - x.shape[0], 0)), (0, 0)))[:rows]
+      copies.append((precision.scaled_f16_operand(copy, scale[0][0]),
+                     jnp.max(precision.finite_abs(x), axis=0, keepdims=True)) if scale
+                    else copy.astype(a.dtype))
+    copies = tuple(copies)
     return _jnp_engine(a, b, transpose_a=transpose_a, out_dtype=out_dtype, epilogue=epilogue,
                        epilogue_operand=epilogue_operand, column_sums=column_sums,
                        line_maxima=line_maxima, row_scale=row_scale, col_scale=col_scale,
@@ -316,35 +321,60 @@ def test_the_pre_gelu_product_on_xla_only_for_fp32_inputs():
     tables.configs(_problem(512, jnp.bfloat16, DotMode.BF16))
 
 
+def _tf32_tables(copy_programs: int):
+  """The tables, with `copy_programs` in DEFAULT's pre-GELU config."""
+  tables = mosaic_backward.TABLES
+  config = dataclasses.replace(tables.config_for(tables.pre_gelu, "tf32_on_f16", 4096),
+                               copy_programs=copy_programs)
+  return dataclasses.replace(tables, pre_gelu={**tables.pre_gelu,
+                                               "tf32_on_f16": ((None, config),)})
+
+
 @pytest.mark.transcendental
-@pytest.mark.parametrize("tokens", [65, 200])
-def test_tf32_on_the_f16_engine_within_the_tf32_operand_bounds(monkeypatch, tokens):
+@pytest.mark.parametrize("tokens, copy_programs", [(65, 0), (200, 0), (200, 4)])
+def test_tf32_on_the_f16_engine_within_the_tf32_operand_bounds(monkeypatch, tokens,
+                                                               copy_programs):
   """DEFAULT on fp32 inputs: the backend's scaling, padding and unscaling around its four
   products (here jnp stand-ins for the engine, exact on their f16 operands), on rows
   scaled by powers of two from 2^-20 to 2^20, against the float64 oracle of TF32-rounded
-  operands within `bounds.tf32_on_f16_oracle_and_bounds`."""
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
+  operands within `bounds.tf32_on_f16_oracle_and_bounds`. With copy programs, the fused
+  product's launch makes the scaled copies of the operands only later products read, and
+  the launch after it checks them."""
+  side = []
+
+  def engine_recording_side_copies(*args, side_copies=(), **kwargs):
+    side.extend((x.shape, rows, len(scale)) for x, rows, *scale in side_copies)
+    return _jnp_engine(*args, side_copies=side_copies, **kwargs)
+  monkeypatch.setattr(mosaic_backward.engine, "matmul", engine_recording_side_copies)
   inputs = list(helpers.backward_inputs(tokens, 128, 256))
   key = helpers.fresh_key()
   spread = jnp.exp2(jax.random.randint(key, (tokens, 1), -20, 20).astype(jnp.float32))
   inputs[0] = inputs[0] * spread          # grad_output rows far apart in magnitude
   problem = _problem(tokens, jnp.float32, DotMode.TF32, 128, 256)
-  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))(
-      *inputs)
+  tables = _tf32_tables(copy_programs)
+  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables,
+                                                     interpret=True))(*inputs)
   oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
   bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, f"tf32 S={tokens}")
+  padded = -(-tokens // 8) * 8   # fc1_weight, hidden_state, gelu_output, each with a scale
+  assert side == ([((256, 128), 256, 1), ((tokens, 128), padded, 1),
+                   ((tokens, 256), padded, 1)] if copy_programs else [])
 
 
 @pytest.mark.transcendental
-def test_tf32_on_the_f16_engine_with_lines_off_the_speculated_scale(monkeypatch):
+@pytest.mark.parametrize("copy_programs", [0, 4])
+def test_tf32_on_the_f16_engine_with_lines_off_the_speculated_scale(monkeypatch,
+                                                                    copy_programs):
   """DEFAULT on inputs whose lines the speculated scale does not all fit
   (`helpers.off_the_speculated_scale`: the checked launch copies their tiles again),
-  within `bounds.tf32_on_f16_oracle_and_bounds`."""
+  within `bounds.tf32_on_f16_oracle_and_bounds`; with copy programs too (the copies they
+  make, checked after the fused product)."""
   monkeypatch.setattr(mosaic_backward.engine, "matmul", _jnp_engine)
   inputs = helpers.off_the_speculated_scale(helpers.backward_inputs(200, 128, 256))
   problem = _problem(200, jnp.float32, DotMode.TF32, 128, 256)
-  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, interpret=True))(
-      *inputs)
+  tables = _tf32_tables(copy_programs)
+  outs = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables,
+                                                     interpret=True))(*inputs)
   oracle, limits = bounds.tf32_on_f16_oracle_and_bounds(inputs)
   bounds.assert_within_bounds(outs, oracle, limits, jnp.float32, "tf32 off the window")
 

@@ -382,10 +382,17 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # scale as a vector. Then one that reduces the maxima to the scales and their
   # reciprocals, and copies again only the tiles of the lines whose maxima the speculated
   # scale does not fit (`precision.fits_speculated`). The first product's operands, the
-  # copies of grad_output and gelu_output, are written last.
-  staged = ((fc2_weight, 0, ("columns",)), (fc1_weight, 0, ("columns",)),   # (input, rows,
-             (hidden_state, padded, ("columns",)), (gelu_output, padded, ("columns",)),
-             (grad_output, padded, ("columns", "rows")))   # the lines it is scaled along)
+  # copies of grad_output and gelu_output, are written last. With copy programs, the
+  # fused product's launch makes the copies only the later products read (fc1_weight's,
+  # hidden_state's, gelu_output's) and their maxima, and they are checked after it.
+  side = pre_config.copy_programs > 0
+  inputs = {"fc2_weight": (fc2_weight, 0, ("columns",)),   # (input, rows, the lines it is
+            "fc1_weight": (fc1_weight, 0, ("columns",)),   #  scaled along)
+            "hidden_state": (hidden_state, padded, ("columns",)),
+            "gelu_output": (gelu_output, padded, ("columns",)),
+            "grad_output": (grad_output, padded, ("columns", "rows"))}
+  later = ("fc1_weight", "hidden_state", "gelu_output")
+  staged = [name for name in inputs if not (side and name in later)]
   copy = lambda x, rows, lines, **options: Cast(x.shape, f16, rows=rows, scales=lines,
                                                 parts=SCALED_COPY_PARTS, **options)
   # The pre-GELU gradient's copies speculate grad_output's scale: it is linear in
@@ -393,42 +400,72 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   pre_copy_scale = staging.SpeculatedScale(grad_output.shape, fc1_weight.shape[0])
   *speculated, copy_scale = launch(
       [(copy(x, rows, lines, scales_from="speculated", maxima=lines,
-             sums=i == len(staged) - 1, finished=False), (x, x))   # grad_output's
-       for i, (x, rows, lines) in enumerate(staged)]
-      + [(staging.SpeculatedScale(x.shape, 16), (x,)) for x, _, _ in staged]
+             sums=name == "grad_output", finished=False), (x, x))
+       for name, (x, rows, lines) in ((name, inputs[name]) for name in staged)]
+      + [(staging.SpeculatedScale(inputs[name][0].shape, 16), (inputs[name][0],))
+         for name in inputs]
       + [(pre_copy_scale, (grad_output,))], "mlp_backward_staging")
-  speculated, speculated_scales = speculated[:len(staged)], speculated[len(staged):]
-  *_, fc2_bias_parts, _, _ = speculated[-1]
+  copies = dict(zip(staged, speculated[:len(staged)]))   # (copies..., [sums,] maxima...)
+  speculated_scales = dict(zip(inputs, speculated[len(staged):]))
+  *_, fc2_bias_parts, _, _ = copies["grad_output"]
 
-  def checks(x, rows, lines, copies, maxima, speculated_scale):
+  def checks(name, line_copies, maxima):
     """One checked job per copy: a column-scaled one in bands of tiles (its columns'
     partial maxima loaded once a band), a row-scaled one a tile per program (only its
     rows' maxima loaded)."""
+    x, rows, lines = inputs[name]
     return [(copy(x, rows, (kind,), scales_from="checked"),
-             (x, line_maxima, line_copy, speculated_scale))
-            for kind, line_copy, line_maxima in zip(lines, copies, maxima)]
+             (x, line_maxima, line_copy, speculated_scales[name]))
+            for kind, line_copy, line_maxima in zip(lines, line_copies, maxima)]
 
-  ((w2, w2_unscale), (w1, w1_unscale), (x16, x_unscale), (gelu16, gelu_unscale),
-   (dy_by_column, dy_column_unscale), (dy_by_row, dy_row_unscale), grad_fc2_bias) = launch(
-      [job for (x, rows, lines), outs, scale in zip(staged, speculated, speculated_scales)
-       for job in checks(x, rows, lines, outs[:len(lines)], outs[-len(lines):], scale)]
+  def staged_checks(name):
+    outs, lines = copies[name], inputs[name][2]
+    return checks(name, outs[:len(lines)], outs[-len(lines):])
+
+  *results, grad_fc2_bias = launch(
+      [job for name in staged for job in staged_checks(name)]
       + [(staging.SumRows(fc2_bias_parts.shape), (fc2_bias_parts,))], "mlp_backward_scales")
-  grad_fc2_weight = product(dy_by_column, dy_column_unscale, gelu16, gelu_unscale,
-                            weight_config, transpose_a=True)
+  checked = {}   # name: ((copy, reciprocal scales) per line kind)
+  for name in staged:
+    checked[name], results = results[:len(inputs[name][2])], results[len(inputs[name][2]):]
+  (dy_by_column, dy_column_unscale), (dy_by_row, dy_row_unscale) = checked["grad_output"]
+  if not side:
+    grad_fc2_weight = product(dy_by_column, dy_column_unscale, *checked["gelu_output"][0],
+                              weight_config, transpose_a=True)
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
   # gelu'(0) times them. The epilogue also writes its two f16 copies at grad_output's
   # speculated scale, sums the columns (the bias gradient) and finds the largest |value|
   # of each column and row, from which the launch after it checks the copies' scales, as
   # the inputs' are checked.
-  grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = product(
-      dy_by_row, dy_row_unscale, w2, w2_unscale, pre_config, epilogue=reference.gelu_backward,
-      epilogue_operand=fc1_output, column_sums="unrounded", line_maxima=True,
-      approx_math=True, partial_reductions=True, speculated_copies=2, copy_scale=copy_scale)
-  ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), grad_fc1_bias) = launch(
-      checks(grad_pre, 0, ("columns", "rows"), pre_copies, (pre_column_max, pre_row_max),
-             copy_scale)
+  side_copies = [(inputs[name][0], inputs[name][1] or inputs[name][0].shape[0],
+                  speculated_scales[name]) for name in later] if side else ()
+  pre = product(
+      dy_by_row, dy_row_unscale, *checked["fc2_weight"][0], pre_config,
+      epilogue=reference.gelu_backward, epilogue_operand=fc1_output, column_sums="unrounded",
+      line_maxima=True, approx_math=True, partial_reductions=True, speculated_copies=2,
+      copy_scale=copy_scale, side_copies=side_copies)
+  if side:
+    pre, side_outs = pre
+    checks_after = [job for name, (line_copy, maxima) in zip(later, side_outs)
+                    for job in checks(name, (line_copy,), (maxima,))]
+  else:
+    checks_after = []
+  grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
+  ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), *checked_after,
+   grad_fc1_bias) = launch(
+      [(copy(grad_pre, 0, (kind,), scales_from="checked"),
+        (grad_pre, line_maxima, line_copy, copy_scale))
+       for kind, line_copy, line_maxima in zip(("columns", "rows"), pre_copies,
+                                               (pre_column_max, pre_row_max))]
+      + checks_after
       + [(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_scales")
+  checked.update((name, (copy_and_unscale,)) for name, copy_and_unscale
+                 in zip(later, checked_after))
+  if side:
+    grad_fc2_weight = product(dy_by_column, dy_column_unscale, *checked["gelu_output"][0],
+                              weight_config, transpose_a=True)
+  (w1, w1_unscale), (x16, x_unscale) = checked["fc1_weight"][0], checked["hidden_state"][0]
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
                             transpose_a=True)
   grad_hidden_state = product(pre_by_row, pre_row_unscale, w1, w1_unscale, rows_config,

@@ -86,7 +86,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from vision_mlp_bwd.backends import staging
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
 from vision_mlp_bwd.backends.shared import sum_in_order
-from vision_mlp_bwd.precision import scaled_f16_operand
+from vision_mlp_bwd.precision import finite_abs, scaled_f16_operand
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +187,10 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
 
 def copy_shared_memory_bytes(dtype) -> int:
   """Shared memory of a copy program's buffers (`_copy_tiles`)."""
-  tile = COPY_TILE[0] * COPY_TILE[1]
-  return 3 * tile * (COPY_LOADS * 4 + COPY_STORES * jnp.dtype(dtype).itemsize)
+  rows, cols = COPY_TILE
+  buffers = [3 * rows * cols * COPY_LOADS * 4, 3 * rows * cols * COPY_STORES *
+             jnp.dtype(dtype).itemsize, 3 * cols * 4]   # loads, stores, maxima rows
+  return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,7 +303,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   values (`staging.SpeculatedScale` makes `copy_scale`). `side_copies`, `(x, rows)` pairs
   (x fp32 `[R, C]`), are copied to the operands' dtype with `rows` rows (zeros past R) by
   `config.copy_programs` programs of the same launch while the others compute the product
-  (see `_copy_tiles`); the result is then `(product's result, copies)`. `interpret` is
+  (see `_copy_tiles`); the result is then `(product's result, copies)`. A triple
+  `(x, rows, scale)` (f16 operands; `scale` an fp32 vector, a `staging.SpeculatedScale`,
+  whose first element is a power of two) is copied as
+  `precision.scaled_f16_operand(x, scale[0])`, and its copy comes as `(copy, partial
+  maxima [P, C])`: the largest finite |x| of each column, in P partial rows, which a
+  checked `staging.Cast` reduces. `interpret` is
   `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
@@ -357,11 +364,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     raise ValueError(f"matmul: {len(side_copies)} side copies with GemmConfig.copy_programs="
                      f"{config.copy_programs}; side copies need copy programs and copy "
                      "programs need side copies.")
-  for i, (x, rows) in enumerate(side_copies):
+  for i, (x, rows, *scale) in enumerate(side_copies):
     if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] % COPY_COLUMN_MULTIPLE or rows < 1:
       raise ValueError(f"matmul: side_copies[{i}] is {x.dtype} {x.shape} to {rows} rows; "
                        f"expected a float32 [R, C] array, C a multiple of "
                        f"{COPY_COLUMN_MULTIPLE}, to rows >= 1.")
+    if scale and (len(scale) > 1 or scale[0].ndim != 1 or scale[0].shape[0] < 1
+                  or scale[0].dtype != jnp.float32 or a.dtype != jnp.float16):
+      raise ValueError(f"matmul: side_copies[{i}] has {len(scale)} more entries "
+                       f"{[(v.dtype, v.shape) for v in scale]} with {a.dtype} operands; a "
+                       "scaled copy takes one float32 vector [>= 1] and float16 operands.")
   programs = num_programs or num_sms()
   if not 0 <= config.copy_programs < programs:
     raise ValueError(f"matmul: GemmConfig.copy_programs={config.copy_programs} leaves no "
@@ -383,7 +395,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
-                             side_copies=len(side_copies),
+                             side_copies=tuple(len(side) == 3 for side in side_copies),
                              copy_programs=config.copy_programs)
   out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
@@ -397,7 +409,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
-  out_types += [jax.ShapeDtypeStruct((rows, x.shape[1]), a.dtype) for x, rows in side_copies]
+  out_types += [jax.ShapeDtypeStruct((rows, x.shape[1]), a.dtype) for x, rows, *_ in side_copies]
+  scaled_copies = [i for i, side in enumerate(side_copies) if len(side) == 3]
+  out_types += [jax.ShapeDtypeStruct((copy_parts(config.copy_programs, side_copies[i][0]),
+                                      side_copies[i][0].shape[1]), jnp.float32)
+                for i in scaled_copies]
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
@@ -405,9 +421,14 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
-    *(() if copy_scale is None else (copy_scale,)), *(x for x, _ in side_copies))
+    *(() if copy_scale is None else (copy_scale,)), *(x for x, *_ in side_copies),
+    *(side_copies[i][2] for i in scaled_copies))
   if side_copies:
-    outs, copies = outs[:-len(side_copies)], tuple(outs[-len(side_copies):])
+    first = len(outs) - len(side_copies) - len(scaled_copies)
+    copies = list(outs[first:first + len(side_copies)])
+    for i, partial_max in zip(scaled_copies, outs[first + len(side_copies):]):
+      copies[i] = (copies[i], partial_max)
+    outs, copies = outs[:first], tuple(copies)
     return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
                            speculated_copies, defer_tail, interpret), copies
   return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
@@ -467,19 +488,27 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool, speculated_copies: int, side_copies: int, copy_programs: int):
+            line_maxima: bool, speculated_copies: int, side_copies: tuple[bool, ...],
+            copy_programs: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
   copy_scale_gmem = refs.pop(0) if speculated_copies else None
-  side_sources = [refs.pop(0) for _ in range(side_copies)]
-  side_targets = [refs.pop() for _ in range(side_copies)][::-1]
+  scaled_sides = [i for i, is_scaled in enumerate(side_copies) if is_scaled]
+  side_sources = [refs.pop(0) for _ in side_copies]
+  side_scales = [refs.pop(0) for _ in scaled_sides]
+  side_maxima = [refs.pop() for _ in scaled_sides][::-1]
+  side_targets = [refs.pop() for _ in side_copies][::-1]
+  scales, maxima = [None] * len(side_copies), [None] * len(side_copies)
+  for i, scale, partial_max in zip(scaled_sides, side_scales, side_maxima):
+    scales[i], maxima[i] = scale, partial_max
   # Programs from plan.programs on copy and find no blocks of the product; the others find
   # no tiles to copy. (Branching on the program failed in Pallas's interpret mode, and so
   # did copies after the product's scope there: its scoped allocations are matched across
   # threads by their order.)
   if side_copies:
-    _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs)
+    _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs,
+                scales=scales, maxima=maxima)
   _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                    copy_scale_gmem, *refs, config=config, transpose_a=transpose_a, plan=plan,
                    epilogue=epilogue, column_sums=column_sums, scaled=scaled,
@@ -761,30 +790,48 @@ def _strided_loop(count: int, first, stride: int):
 
 
 
-def _copy_tiles(sources, targets, *, first_program: int, workers: int):
+def copy_parts(copy_programs: int, x) -> int:
+  """Partial rows of a scaled side copy's column maxima: the copy programs' lanes (3 each)
+  per column strip of `COPY_TILE` tiles, at least 1."""
+  return max(1, 3 * copy_programs // pl.cdiv(x.shape[1], COPY_TILE[1]))
+
+
+def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=None,
+                maxima=None):
   """The copy programs' work (`workers` programs from `first_program` on; the others
-  find none): each of a program's 3 warpgroups copies every (3 workers)-th `COPY_TILE`
-  tile of each source into its 16-bit target (TMA fills rows past the source with zeros
-  and drops tiles past the target's end)."""
+  find none): each of a program's 3 warpgroups (lanes) copies its share of each source's
+  `COPY_TILE` tiles into its 16-bit target (TMA fills rows past the source with zeros
+  and drops tiles past the target's end).
+
+  A source with a scale (`scales[i]`, an fp32 vector whose first element is a power of
+  two; `maxima[i]` `[P, C]` with it) is copied as f16(x * scale), and its largest finite
+  |x| per column is left as P partial rows: lane p of a column strip's P lanes copies the
+  strip's row tiles p, p + P, ... and writes row p of the strip. Other sources go to the
+  lanes tile by tile (every (3 workers)-th tile in row-major order)."""
   rows, cols = COPY_TILE
+  scales = scales or [None] * len(sources)
+  maxima = maxima or [None] * len(sources)
 
   @functools.partial(
       pl.run_scoped,
       loaded=plgpu.SMEM((3, COPY_LOADS, rows, cols), jnp.float32),
       rounded=plgpu.SMEM((3, COPY_STORES, rows, cols), targets[0].dtype),
+      largest=plgpu.SMEM((3, 1, cols), jnp.float32),
       arrived=plgpu.Barrier(num_arrivals=1, num_barriers=3 * COPY_LOADS),
       collective_axes="wg")
-  def _scope(loaded, rounded, arrived):
+  def _scope(loaded, rounded, largest, arrived):
     wg, worker = lax.axis_index("wg"), lax.axis_index("program") - first_program
     lane, lanes = worker * 3 + wg, workers * 3
-    stored = 0   # this lane's stores so far: the store slots rotate across sources too
-    for source, target in zip(sources, targets):
+
+    def copy_run(source, target, first, stride, count, stored, scale=None):
+      """Copies the tiles first, first + stride, ... (`count` of them, row-major tile
+      indices); returns the lane's stores so far (the store slots rotate across runs:
+      the one store that may still read a slot is the lane's last) and, with a scale,
+      the elementwise largest finite |x| over the run's tiles."""
       tiles_n = pl.cdiv(target.shape[1], cols)
-      tiles = pl.cdiv(target.shape[0], rows) * tiles_n
-      count = _count_here(tiles, lane, lanes)
 
       def tile(i):
-        r, c = divmod(lane + i * lanes, tiles_n)
+        r, c = divmod(first + i * stride, tiles_n)
         return pl.ds(r * rows, rows), pl.ds(c * cols, cols)
 
       def load(i):
@@ -795,15 +842,52 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int):
       for i in range(COPY_LOADS - 1):   # the first loads in flight
         pl.when(i < count)(functools.partial(load, i))
 
-      def step(i, carry):
+      def step(i, running):
         pl.when(i + COPY_LOADS - 1 < count)(functools.partial(load, i + COPY_LOADS - 1))
-        # (the one store that may still read a slot is the lane's last, whichever source)
         slot, out_slot = i % COPY_LOADS, (stored + i) % COPY_STORES
         plgpu.barrier_wait(arrived.at[wg * COPY_LOADS + slot])
         plgpu.wait_smem_to_gmem(COPY_STORES - 1, wait_read_only=True)
-        rounded[wg, out_slot] = loaded[wg, slot].astype(target.dtype)
+        x = loaded[wg, slot]
+        if scale is None:
+          rounded[wg, out_slot] = x.astype(target.dtype)
+        else:
+          rounded[wg, out_slot] = scaled_f16_operand(x, scale)
+          running = jnp.maximum(running, finite_abs(x))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(rounded.at[wg, out_slot], target.at[tile(i)])
-        return carry
-      lax.fori_loop(0, count, step, None)
-      stored = stored + count
+        return running
+      running = lax.fori_loop(0, count, step, None if scale is None
+                              else jnp.zeros((rows, cols), jnp.float32))
+      return stored + count, running
+
+    stored = jnp.int32(0)
+    for source, target, scale, partial_max in zip(sources, targets, scales, maxima):
+      tiles_m, tiles_n = pl.cdiv(target.shape[0], rows), pl.cdiv(target.shape[1], cols)
+      if scale is None:
+        stored, _ = copy_run(source, target, lane, lanes,
+                             _count_here(tiles_m * tiles_n, lane, lanes), stored)
+        continue
+      parts = partial_max.shape[0]
+      groups, part, group = lanes // parts, lane % parts, lane // parts
+      factor = scale[0]
+
+      def strip(j, stored, source=source, target=target, partial_max=partial_max,
+                tiles_m=tiles_m, tiles_n=tiles_n, parts=parts, groups=groups, part=part,
+                group=group, factor=factor):
+        c = group + j * groups
+        stored, running = copy_run(source, target, part * tiles_n + c, parts * tiles_n,
+                                   _count_here(tiles_m, part, parts), stored, factor)
+        # The strip's 32 rows of maxima to one, through shared memory (no cross-warp
+        # reduction: Pallas gives those one scratch buffer, which 3 lanes would share).
+        loaded[wg, 0] = running
+        plgpu.commit_smem()
+        top = loaded[wg, 0, 0]
+        for r in range(1, rows):
+          top = jnp.maximum(top, loaded[wg, 0, r])
+        largest[wg, 0] = top
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(largest.at[wg],
+                                partial_max.at[pl.ds(part, 1), pl.ds(c * cols, cols)])
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        return stored
+      stored = lax.fori_loop(0, _count_here(tiles_n, group, groups), strip, stored)
