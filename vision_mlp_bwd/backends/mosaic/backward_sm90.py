@@ -409,18 +409,20 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   speculated_scales = dict(zip(inputs, speculated[len(staged):]))
   *_, fc2_bias_parts, _, _ = copies["grad_output"]
 
-  def checks(name, line_copies, maxima):
+  def checks(x, rows, lines, line_copies, maxima, speculated_scale):
     """One checked job per copy: a column-scaled one in bands of tiles (its columns'
     partial maxima loaded once a band), a row-scaled one a tile per program (only its
     rows' maxima loaded)."""
-    x, rows, lines = inputs[name]
     return [(copy(x, rows, (kind,), scales_from="checked"),
-             (x, line_maxima, line_copy, speculated_scales[name]))
+             (x, line_maxima, line_copy, speculated_scale))
             for kind, line_copy, line_maxima in zip(lines, line_copies, maxima)]
+
+  def input_checks(name, line_copies, maxima):
+    return checks(*inputs[name], line_copies, maxima, speculated_scales[name])
 
   def staged_checks(name):
     outs, lines = copies[name], inputs[name][2]
-    return checks(name, outs[:len(lines)], outs[-len(lines):])
+    return input_checks(name, outs[:len(lines)], outs[-len(lines):])
 
   *results, grad_fc2_bias = launch(
       [job for name in staged for job in staged_checks(name)]
@@ -447,16 +449,14 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   if side:
     pre, side_outs = pre
     checks_after = [job for name, (line_copy, maxima) in zip(later, side_outs)
-                    for job in checks(name, (line_copy,), (maxima,))]
+                    for job in input_checks(name, (line_copy,), (maxima,))]
   else:
     checks_after = []
   grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
   ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), *checked_after,
    grad_fc1_bias) = launch(
-      [(copy(grad_pre, 0, (kind,), scales_from="checked"),
-        (grad_pre, line_maxima, line_copy, copy_scale))
-       for kind, line_copy, line_maxima in zip(("columns", "rows"), pre_copies,
-                                               (pre_column_max, pre_row_max))]
+      checks(grad_pre, 0, ("columns", "rows"), pre_copies, (pre_column_max, pre_row_max),
+             copy_scale)
       + checks_after
       + [(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_scales")
