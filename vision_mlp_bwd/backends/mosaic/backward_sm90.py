@@ -431,9 +431,6 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   for name in staged:
     checked[name], results = results[:len(inputs[name][2])], results[len(inputs[name][2]):]
   (dy_by_column, dy_column_unscale), (dy_by_row, dy_row_unscale) = checked["grad_output"]
-  if not side:
-    grad_fc2_weight = product(dy_by_column, dy_column_unscale, *checked["gelu_output"][0],
-                              weight_config, transpose_a=True)
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
   # gelu'(0) times them. The epilogue also writes its two f16 copies at grad_output's
   # speculated scale, sums the columns (the bias gradient) and finds the largest |value|
@@ -446,12 +443,9 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
       epilogue=reference.gelu_backward, epilogue_operand=fc1_output, column_sums="unrounded",
       line_maxima=True, approx_math=True, partial_reductions=True, speculated_copies=2,
       copy_scale=copy_scale, side_copies=side_copies)
-  if side:
-    pre, side_outs = pre
-    checks_after = [job for name, (line_copy, maxima) in zip(later, side_outs)
-                    for job in input_checks(name, (line_copy,), (maxima,))]
-  else:
-    checks_after = []
+  pre, side_outs = pre if side else (pre, ())
+  checks_after = [job for name, (line_copy, maxima) in zip(later, side_outs)
+                  for job in input_checks(name, (line_copy,), (maxima,))]
   grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
   ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), *checked_after,
    grad_fc1_bias) = launch(
@@ -462,9 +456,8 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
       "mlp_backward_pre_gelu_scales")
   checked.update((name, (copy_and_unscale,)) for name, copy_and_unscale
                  in zip(later, checked_after))
-  if side:
-    grad_fc2_weight = product(dy_by_column, dy_column_unscale, *checked["gelu_output"][0],
-                              weight_config, transpose_a=True)
+  grad_fc2_weight = product(dy_by_column, dy_column_unscale, *checked["gelu_output"][0],
+                            weight_config, transpose_a=True)
   (w1, w1_unscale), (x16, x_unscale) = checked["fc1_weight"][0], checked["hidden_state"][0]
   grad_fc1_weight = product(pre_by_column, pre_column_unscale, x16, x_unscale, weight_config,
                             transpose_a=True)
