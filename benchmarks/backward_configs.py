@@ -15,10 +15,11 @@ changes how the work is scheduled, never the arithmetic). Writes
 `{"xla_dot": true}` runs the product as XLA's dot instead (rows and weight_grads).
 `--product staging` varies the staging launches instead (`backends/staging.py`): each
 variant's `block` and `parts` replace every `Cast` job's, `num_warps` and `num_stages`
-the launches' (the table's products unchanged):
+the launches', and `"sum_rows"` every `SumRows` job's fields (the table's products
+unchanged):
 
   python -m benchmarks.backward_configs --table fp32_inputs --product staging \\
-      --variants '{}' '{"block": [64, 256], "num_warps": 8}'
+      --variants '{}' '{"block": [64, 256], "num_warps": 8}' '{"sum_rows": {"group": 8}}'
 """
 
 from __future__ import annotations
@@ -124,16 +125,24 @@ def _varied(config, fields):
 
 
 def _staging_launch(fields):
-  """`staging.launch` with every Cast job's `block`/`parts` and the launch parameters
-  (`num_warps`, `num_stages`) of `fields`."""
+  """`staging.launch` with every Cast job's `block`/`parts`, every SumRows job's fields
+  `sum_rows` (`{"block": 256, "group": 8}`) and the launch parameters (`num_warps`,
+  `num_stages`) of `fields`."""
+  fields = dict(fields)
+  sum_fields = fields.pop("sum_rows", {})
   job_fields = {k: v for k, v in fields.items() if k in ("block", "parts")}
   params = {k: v for k, v in fields.items() if k not in job_fields}
   original = staging.launch
 
+  def varied(job):
+    if isinstance(job, staging.Cast):
+      return dataclasses.replace(job, **job_fields)
+    if isinstance(job, staging.SumRows):
+      return dataclasses.replace(job, **sum_fields)
+    return job
+
   def launch(pairs, **kwargs):
-    pairs = [(dataclasses.replace(job, **job_fields) if isinstance(job, staging.Cast) else job,
-              ops) for job, ops in pairs]
-    return original(pairs, **kwargs, **params)
+    return original([(varied(job), ops) for job, ops in pairs], **kwargs, **params)
   return launch
 
 

@@ -134,7 +134,7 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
 
 def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   """`--product staging`: each variant's block and parts reach every Cast job of the
-  backward, its warps every staging launch."""
+  backward, its `sum_rows` fields every SumRows job, its warps every staging launch."""
   from vision_mlp_bwd.backends import staging
   from vision_mlp_bwd.backends.mosaic import backward_sm90
   from tests.test_mosaic_backend import _jnp_engine
@@ -142,6 +142,7 @@ def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
 
   def spy(jobs, operands, **kw):
     launches.append(([(job.block, job.parts) for job in jobs if isinstance(job, staging.Cast)],
+                     [(job.block, job.group) for job in jobs if isinstance(job, staging.SumRows)],
                      kw.get("num_warps", 4)))
     return real(jobs, operands, **kw)
 
@@ -151,15 +152,18 @@ def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
                       lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
   backward_configs.main(["--table", "fp32_inputs", "--product", "staging", "--seq-lens", "8",
                          "--size", "64x128", "--iterations", "1", "--variants", "{}",
-                         '{"block": [16, 64], "parts": 2, "num_warps": 8}',
+                         '{"block": [16, 64], "parts": 2, "num_warps": 8, '
+                         '"sum_rows": {"block": 32, "group": 3}}',
                          "--out", str(tmp_path)])
   [record] = list(tmp_path.glob("backward_configs_*.json"))
   rows = json.loads(record.read_text())["rows"]
-  assert [r["variant"] for r in rows] == [{}, {"block": [16, 64], "parts": 2, "num_warps": 8}]
-  default = staging.Cast((8, 64), None)
+  assert [r["variant"] for r in rows] == [{}, {"block": [16, 64], "parts": 2, "num_warps": 8,
+                                               "sum_rows": {"block": 32, "group": 3}}]
+  default, sums = staging.Cast((8, 64), None), staging.SumRows((1, 1))
   # Each trace: the staging launch, then the last launch (the bias sums, the split tails).
   # With copy programs the fused product's launch copies three of the five inputs.
   pre_gelu = backward_sm90.Tables.config_for(backward_sm90.TABLES.pre_gelu, "fp32_inputs", 8)
   casts = 2 if pre_gelu.copy_programs else 5
-  assert launches == [([(default.block, default.parts)] * casts, 4), ([], 4),
-                      ([((16, 64), 2)] * casts, 8), ([], 8)]
+  sums_then = [(sums.block, sums.group)] * 2   # the two bias gradients' partial rows
+  assert launches == [([(default.block, default.parts)] * casts, [], 4), ([], sums_then, 4),
+                      ([((16, 64), 2)] * casts, [], 8), ([], [(32, 3)] * 2, 8)]

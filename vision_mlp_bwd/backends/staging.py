@@ -340,13 +340,13 @@ class SumRows:
   `shared.sum_in_order` adds them: bitwise the same.
 
   The rows are loaded `group` at a time before they are added, so a program waits for
-  one round trip to memory per group rather than per row (the partial rows were just
-  written: the wait is L2's latency, and a one-row-at-a-time loop over 64 rows took
-  ~6 us on the H200, benchmarks/NOTES.md, 47)."""
+  one round trip to memory per group rather than per row (a one-row-at-a-time loop over
+  64 rows took ~6 us on the H200, 8 rows at a time ~5 us: benchmarks/NOTES.md, 47g and
+  58). A group of 32 rows of a 128-column block is 32 registers per thread."""
 
   shape: tuple[int, int]
-  block: int = 256
-  group: int = 8
+  block: int = 128
+  group: int = 32
 
   num_inputs = 1
   num_outputs = 1
@@ -369,15 +369,16 @@ class SumRows:
 
     def add_rows(total, first, count):
       for value in [row(first + i) for i in range(count)]:   # every load, then the sums
-        total = total + value
+        total = value if total is None else total + value
       return total
 
-    groups, rest = divmod(self.shape[0] - 1, self.group)
-    total = row(0)
+    first = min(self.shape[0], self.group)   # the first group starts the sum with row 0
+    total = add_rows(None, 0, first)
+    groups, rest = divmod(self.shape[0] - first, self.group)
     if groups:
-      total = lax.fori_loop(0, groups, lambda g, t: add_rows(t, 1 + g * self.group, self.group),
-                            total)
-    total = add_rows(total, 1 + groups * self.group, rest)
+      total = lax.fori_loop(0, groups, lambda g, t: add_rows(t, first + g * self.group,
+                                                             self.group), total)
+    total = add_rows(total, first + groups * self.group, rest)
     plgpu.store(out_refs[0].at[cols], total, mask=mask)
 
   def finish(self, outs):
