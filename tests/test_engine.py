@@ -83,6 +83,15 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
                                        r"expected float32 \[64\]"):
     engine.matmul(a16, b16, row_scale=jax.ShapeDtypeStruct((64,), jnp.float32),
                   col_scale=jax.ShapeDtypeStruct((32,), jnp.float32))
+  with pytest.raises(ValueError, match=r"out_dtype=None stores no product; it takes "
+                                       r"speculated_copies.*speculated_copies=0"):
+    engine.matmul(a16, b16, out_dtype=None, epilogue=gelu,
+                  epilogue_operand=jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  with pytest.raises(ValueError, match=r"out_dtype=None .*column_sums='stored'"):
+    engine.matmul(a16, b16, out_dtype=None, epilogue=gelu,
+                  epilogue_operand=jax.ShapeDtypeStruct((64, 64), jnp.float32),
+                  speculated_copies=1, copy_scale=jax.ShapeDtypeStruct((64,), jnp.float32),
+                  column_sums="stored")
   copying = engine.GemmConfig(tile_n=64, copy_programs=4)
   x32 = jax.ShapeDtypeStruct((64, 96), jnp.float32)
   with pytest.raises(ValueError, match="0 side copies with GemmConfig.copy_programs=4"):

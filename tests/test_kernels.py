@@ -280,7 +280,7 @@ def test_transposed_operands_write_every_element_of_a_poisoned_output(split_k, i
                            np.asarray(b, np.float64).T)
 
 
-def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
+def test_tf32_rounding_is_round_to_nearest_ties_away_or_even_and_keeps_specials():
   key = helpers.fresh_key()
   x = jax.random.normal(key, (2000,)) * jnp.exp2(jax.random.randint(key, (2000,), -30, 30))
   ties = jnp.array([1.0 + 2.0 ** -11, -(1.0 + 3 * 2.0 ** -11), 1.0 + 2.0 ** -11 + 2.0 ** -20])
@@ -294,6 +294,13 @@ def test_tf32_rounding_is_round_to_nearest_ties_away_and_keeps_specials():
                                                      1.0 + 2.0 ** -10])
   assert np.isposinf(rounded[-6]) and np.isneginf(rounded[-5]) and np.isnan(rounded[-4])
   assert rounded[-3] == 0.0 and np.signbit(rounded[-2]) and np.isposinf(rounded[-1])
+  # Ties to even (the f16 engine's operands): np.round halves to even.
+  even = np.asarray(precision.round_to_tf32(jnp.concatenate([x, ties, specials]),
+                                            ties_to_even=True))
+  np.testing.assert_array_equal(even[:2000], np.sign(v) * np.round(np.abs(v) / ulp) * ulp)
+  np.testing.assert_array_equal(even[2000:2003], [1.0, -(1.0 + 2.0 ** -9), 1.0 + 2.0 ** -10])
+  assert np.isposinf(even[-6]) and np.isneginf(even[-5]) and np.isnan(even[-4])
+  assert even[-3] == 0.0 and np.signbit(even[-2]) and np.isposinf(even[-1])
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])

@@ -238,7 +238,7 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
   if epilogue is not None:
     rows = acc.shape[0] - epilogue_operand.shape[0]
     value = epilogue(acc, jnp.pad(epilogue_operand, ((0, rows), (0, 0))))
-  out = value.astype(out_dtype)[:out_rows]
+  out = value.astype(out_dtype or jnp.float32)[:out_rows]   # (out_dtype=None: not returned)
   extra = ()
   if column_sums:
     extra += (jnp.sum(value if column_sums == "unrounded" else out.astype(jnp.float32), 0),)
@@ -248,7 +248,8 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
     extra = tuple(x[None] for x in extra)
   copies = ((precision.scaled_f16_operand(value, copy_scale)[:out_rows],) * speculated_copies
             if speculated_copies else ())
-  return (out, *copies, *extra) if extra or copies else out
+  stored = () if out_dtype is None else (out,)
+  return (*stored, *copies, *extra) if extra or copies else out
 
 
 @pytest.mark.transcendental

@@ -234,6 +234,51 @@ def test_speculated_scales_checked_in_a_second_launch(shape, lines, magnitude):
                                     np.asarray(value)[written])
 
 
+def _times(x, operand):
+  """An epilogue exact in fp32 on the operands below (powers of two)."""
+  return x * operand
+
+
+@pytest.mark.parametrize("kind", ["columns", "rows"])
+def test_checked_copies_of_a_product_computed_again_where_rewritten(kind):
+  """`Cast(product=True)`: a checked job over `epilogue(a @ b, operand)`, a product never
+  stored, computes a tile of it only where a line is off the speculated scale. On small
+  integers (rows of a 2^20 larger, columns of b 2^-24 smaller: lines above and below the
+  window) every order of the sums is exact, so the rewritten tiles are bitwise
+  `scaled_f16_operand` of the checked scale; given NaN copies, every other tile stays NaN.
+  S = 45 rows of a in a 48-row copy (rows past a's read as zeros), K = 40 in steps of
+  16 (a partial last step)."""
+  k = jax.random.split(helpers.fresh_key(), 3)
+  rows, a_rows, depth, cols = 48, 45, 40, 70
+  a = jax.random.randint(k[0], (a_rows, depth), -4, 5).astype(jnp.float32)
+  b = jax.random.randint(k[1], (depth, cols), -4, 5).astype(jnp.float32)
+  a, b = a.at[7].multiply(2.0 ** 20), b.at[:, 33].multiply(2.0 ** -24)
+  operand = jnp.exp2(jax.random.randint(k[2], (a_rows, cols), -1, 2).astype(jnp.float32))
+  x = np.zeros((rows, cols), np.float64)
+  x[:a_rows] = (np.asarray(a, np.float64) @ np.asarray(b, np.float64)) * np.asarray(operand)
+  axis = 0 if kind == "columns" else 1
+  line_maxima = np.abs(x).max(axis=axis).astype(np.float32)
+  speculated_scale = precision.SPECULATED_SCALE
+  scale, reciprocal, fits = precision.checked_scales(jnp.asarray(line_maxima),
+                                                     speculated_scale)
+  assert not np.all(fits) and np.any(fits), "lines on and off the speculated scale"
+  job = staging.Cast((rows, cols), jnp.dtype(jnp.float16), scales=(kind,), block=(8, 32),
+                     scales_from="checked", product=True, product_k=16, epilogue=_times)
+  poisoned = jnp.full((rows, cols), jnp.nan, jnp.float16)
+  [(copy, unscale)] = staging.grouped_launch(
+      [job], [(a, b, jnp.asarray(line_maxima)[None], poisoned, operand,
+               jnp.full((16,), speculated_scale))], mode=DotMode.TF32, interpret=True)
+  chex.assert_trees_all_equal(unscale, reciprocal)
+  value = np.asarray(precision.scaled_f16_operand(jnp.asarray(x, jnp.float32),
+                                                  jnp.expand_dims(scale, axis)))
+  block = job.block[1] if axis == 0 else job.block[0]
+  off = np.repeat(np.add.reduceat(~np.asarray(fits), np.arange(0, fits.size, block)) > 0,
+                  block)[:fits.size]
+  written = ~np.isnan(np.asarray(copy, np.float32))
+  np.testing.assert_array_equal(written, np.broadcast_to(np.expand_dims(off, axis), x.shape))
+  np.testing.assert_array_equal(np.asarray(copy)[written], value[written])
+
+
 @pytest.mark.parametrize("shape, magnitude", [((45, 70), 1.0), ((5, 300), 2.0 ** -24),
                                                ((300, 5), 2.0 ** 9), ((40, 200), 0.0)])
 def test_speculated_scale_follows_the_sample(shape, magnitude):

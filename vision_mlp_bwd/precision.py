@@ -167,16 +167,19 @@ def split_bf16(x):
   return hi, lo
 
 
-def round_to_tf32(x):
+def round_to_tf32(x, ties_to_even: bool = False):
   """fp32 -> the nearest TF32 value (ties away from zero), kept in fp32; NaN stays NaN.
 
   This is `cvt.rna.tf32.f32`, the rounding Triton applies to fp32 operands of
   TF32 products, so rounding first leaves such a product unchanged; see
   `kernel_dot`'s `lhs_in_registers` for why a kernel would round itself.
+  `ties_to_even`: ties to the even neighbour instead, as the f16 engine's scaled
+  operands round (`scaled_f16_operand`).
   """
   bits = lax.bitcast_convert_type(x, jnp.uint32)
-  rounded = lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000),
-                                     jnp.float32)
+  half = (jnp.uint32(0xFFF) + ((bits >> 13) & jnp.uint32(1))) if ties_to_even else (
+      jnp.uint32(0x1000))
+  rounded = lax.bitcast_convert_type((bits + half) & jnp.uint32(0xFFFFE000), jnp.float32)
   return jnp.where(x != x, x, rounded)
 
 
@@ -271,7 +274,7 @@ def scaled_f16_operand(x, scale):
 
 
 def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
-               lhs_in_registers: bool = False):
+               lhs_in_registers: bool = False, round_both: bool = False):
   """A tile product inside a Pallas kernel, computed as `mode` says.
 
   `a` and `b` are 2-D tiles; the product contracts `a`'s axis `contract_a` with
@@ -283,6 +286,9 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
   K-contiguous in memory to be copied with 16-byte loads (fp32 wgmma operands
   in shared memory must be K-major). Truncating instead raised the weight
   gradients' error from 4.2e-4 to 5.5e-4 on the H200 (benchmarks/NOTES.md, 13).
+  `round_both` (TF32 only): round both operands in the kernel, ties to even (as the f16
+  engine's scaled operands are), the same product on the GPU and in Pallas's
+  interpret mode (whose fp32 dot does not round).
   """
   dims = (((contract_a,), (contract_b,)), ((), ()))
 
@@ -299,4 +305,7 @@ def kernel_dot(a, b, mode: DotMode, *, contract_a: int = 1, contract_b: int = 0,
     return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
   if mode == DotMode.F32:
     return dot(a, b, lax.Precision.HIGHEST)
+  if round_both:
+    return dot(round_to_tf32(a, ties_to_even=True), round_to_tf32(b, ties_to_even=True),
+               lax.Precision.DEFAULT)
   return dot(round_to_tf32(a) if lhs_in_registers else a, b, lax.Precision.DEFAULT)

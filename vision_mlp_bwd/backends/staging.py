@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from vision_mlp_bwd.backends.shared import match_varying_axes, out_struct, sum_in_order
 from vision_mlp_bwd.precision import (SPECULATION_SAMPLE, DotMode, checked_scales, f16_scale,
-                                      f16_unscale, finite_abs, scaled_f16_operand,
+                                      f16_unscale, finite_abs, kernel_dot, scaled_f16_operand,
                                       speculated_scale, split_bf16)
 
 TRITON_DEPRECATION = r"The Pallas Triton backend is deprecated and will be removed"
@@ -83,9 +83,14 @@ class Cast:
     A product over such copies, its contraction over (term, line) on both sides,
     is the three products of HIGHEST's bf16x3 in one.
   - `epilogue`: the pass is over `epilogue(x, operand)` (fp32) instead of x, with
-    `operand [R', C]` (R' <= R, rows past R' read as zeros) a second input: the
+    `operand [R', C]` (R' <= R, rows past R' read as zeros) a later input: the
     GELU derivative applied to a product XLA computed, as the engine's epilogue
     applies it to its own (`reference.gelu_backward`).
+  - `product` (checked jobs): x is not an input but `a @ b`, two inputs `a [R_a <= R,
+    K]` (rows past R_a read as zeros) and `b [K, C]` in its place, at the launch's
+    precision (`precision.kernel_dot`, `product_k`-wide steps), computed only for the
+    tiles the job rewrites: a checked copy of a product that was never stored (the
+    pre-GELU gradient under TF32, whose fp32 values only such tiles would read).
   - `sums`: the fp32 sums of x's columns (a bias gradient).
   - `maxima`: the largest finite |x| of each column (`"columns"`) or each row
     (`"rows"`), as asked (NaN and Inf count as 0, `precision.finite_abs`): what
@@ -115,6 +120,13 @@ class Cast:
   scales_from: str = "maxima"
   terms: tuple[str, ...] = ()
   terms_along: str = "columns"
+  product: bool = False
+  product_k: int = 32
+
+  @property
+  def sources(self) -> int:
+    """Inputs that x comes from: x itself, or (`product`) the two operands of a @ b."""
+    return 2 if self.product else 1
 
   @property
   def speculated(self) -> bool:
@@ -132,11 +144,11 @@ class Cast:
   def aliases(self) -> dict[int, int]:
     if self.scales_from != "checked":
       return {}
-    return {1 + self.maxima_inputs + i: i for i in range(self.copies)}
+    return {self.sources + self.maxima_inputs + i: i for i in range(self.copies)}
 
   @property
   def num_inputs(self) -> int:
-    return (1 + self.maxima_inputs + len(self.aliases) + (self.epilogue is not None)
+    return (self.sources + self.maxima_inputs + len(self.aliases) + (self.epilogue is not None)
             + self.speculated)
 
   @property
@@ -179,9 +191,16 @@ class Cast:
 
   def check(self, operands):
     r, c = self.shape
-    assert operands[0].shape == (r, c) and len(operands) == self.num_inputs, (self, operands)
+    assert len(operands) == self.num_inputs, (self, operands)
+    if self.product:
+      a, b = operands[:2]
+      assert self.scales_from == "checked" and a.ndim == b.ndim == 2 and a.shape[0] <= r and (
+          b.shape == (a.shape[1], c)), (self, a.shape, b.shape)
+    else:
+      assert operands[0].shape == (r, c), (self, operands[0].shape)
     assert set(self.scales) <= {"columns", "rows"}, self
-    for kind, maxima in zip(self.scales, operands[1:1 + self.maxima_inputs]):
+    maxima_operands = operands[self.sources:self.sources + self.maxima_inputs]
+    for kind, maxima in zip(self.scales, maxima_operands):
       assert maxima.ndim == 2 and maxima.shape[1] == (c if kind == "columns" else r), (
           self, maxima.shape)
     assert not self.scales or self.out_dtype == jnp.float16, self
@@ -189,16 +208,18 @@ class Cast:
         self.terms) <= {"hi", "lo"} and self.terms_along in ("columns", "rows")), self
     assert self.scales_from in ("maxima", "speculated", "checked"), self
     if self.scales_from == "checked":
-      assert self.scales and not (self.sums or self.maxima or self.epilogue), self
-      for copy in operands[1 + self.maxima_inputs:-1]:
+      assert self.scales and not (self.sums or self.maxima), self
+      assert self.epilogue is None or self.product, self
+      first = self.sources + self.maxima_inputs
+      for copy in operands[first:first + self.copies]:
         assert copy.shape == (self.out_rows, c) and copy.dtype == jnp.float16, (self, copy)
     if self.speculated:
-      assert self.scales and self.epilogue is None and operands[-1].ndim == (
+      assert self.scales and (self.epilogue is None or self.product) and operands[-1].ndim == (
           1 if self.scales_from == "checked" else 2), (self, operands[-1].shape)
     if self.epilogue is not None:
-      operand = operands[-1]
-      assert not self.scales and operand.ndim == 2 and operand.shape[0] <= r and (
-          operand.shape[1] == c), (self, operand.shape)
+      operand = operands[-1 - self.speculated]
+      assert (not self.scales or self.product) and operand.ndim == 2 and (
+          operand.shape[0] <= r and operand.shape[1] == c), (self, operand.shape)
     assert len(set(self.maxima)) == len(self.maxima) and set(self.maxima) <= {
         "columns", "rows"}, self
     assert self.num_outputs, self
@@ -214,8 +235,28 @@ class Cast:
                           like) for kind in self.maxima]
     return shapes
 
+  def _x_tile(self, in_refs, rows, in_x, cols, col_mask, mode: DotMode):
+    """x's tile (zeros past R), or `epilogue(x, operand)`'s; with `product`, a @ b's."""
+    if self.product:
+      a_ref, b_ref = in_refs[:2]
+      steps, in_a = pl.cdiv(a_ref.shape[1], self.product_k), rows < a_ref.shape[0]
+
+      def step(s, acc):
+        k, k_mask = span(s, self.product_k, a_ref.shape[1])
+        return acc + kernel_dot(load_tile(a_ref, rows, in_a, k, k_mask),
+                                load_tile(b_ref, k, k_mask, cols, col_mask), mode,
+                                round_both=mode == DotMode.TF32)
+      x = lax.fori_loop(0, steps, step, jnp.zeros((rows.shape[0], cols.shape[0]), jnp.float32))
+    else:
+      x = load_tile(in_refs[0], rows, in_x, cols, col_mask)
+    if self.epilogue is None:
+      return x
+    operand_ref = in_refs[-1 - self.speculated]
+    return self.epilogue(x, load_tile(operand_ref, rows, rows < operand_ref.shape[0], cols,
+                                      col_mask))
+
   def run(self, program, in_refs, out_refs, mode: DotMode, interpret: bool):
-    del mode, interpret
+    del interpret
     (r, c), (block_rows, block_cols) = self.shape, self.block
     band, col_block = program // self.grid[1], program % self.grid[1]
     cols, col_mask = span(col_block, block_cols, c)
@@ -233,7 +274,7 @@ class Cast:
       line kept the speculated one; the reciprocals go to `store_unscale`."""
       if self.scales_from == "speculated":
         return speculated, None
-      largest = _line_maxima(in_refs[1 + i], lines, mask)
+      largest = _line_maxima(in_refs[self.sources + i], lines, mask)
       if checked:
         scale, unscale, fits = checked_scales(largest, speculated)
         kept = jnp.sum(jnp.where(mask & ~fits, 1, 0)) == 0
@@ -259,17 +300,13 @@ class Cast:
       if checked:   # only a tile with a line off the speculated scale is read and written
         @pl.when(functools.reduce(operator.or_, [~kept for _, kept in line_scales]))
         def _():
-          x = load_tile(in_refs[0], rows, in_x, cols, col_mask)
+          x = self._x_tile(in_refs, rows, in_x, cols, col_mask, mode)
           index, mask = tile_indices(rows, row_mask, cols, col_mask)
           for copy_ref, (scale, kept) in zip(copy_refs, line_scales):
             pl.when(~kept)(lambda copy_ref=copy_ref, scale=scale: plgpu.store(
                 copy_ref.at[index], scaled_f16_operand(x, scale), mask=mask))
         return carry
-      x = load_tile(in_refs[0], rows, in_x, cols, col_mask)   # zeros past R
-      if self.epilogue is not None:
-        operand_ref = in_refs[-1]
-        x = self.epilogue(x, load_tile(operand_ref, rows, rows < operand_ref.shape[0], cols,
-                                       col_mask))
+      x = self._x_tile(in_refs, rows, in_x, cols, col_mask, mode)   # zeros past R
       index, mask = tile_indices(rows, row_mask, cols, col_mask)
       if self.terms:
         pieces = dict(zip(("hi", "lo"), split_bf16(x.astype(jnp.float32))))

@@ -36,11 +36,12 @@ of two (`precision.speculated_scale`, from the input's first rows and
 columns); a second reduces the maxima to the scales and the reciprocal
 scales, and copies again only the tiles of lines that the speculated scale
 does not fit. The pre-GELU product's epilogue then runs on unscaled values,
-as on 16-bit products; its output stays fp32. It also writes the two f16
-copies of it that the products after it read, at grad_output's speculated
+as on 16-bit products; its fp32 values are not stored. It writes the two f16
+copies of them that the products after it read, at grad_output's speculated
 scale, the bias gradient (the sums of its fp32 columns) and the largest
 |value| of each row and column, from which a third staging launch checks
-those copies as the second checks the inputs'. Every partial sum and
+those copies as the second checks the inputs', computing again (in Triton,
+TF32) the few tiles it rewrites. Every partial sum and
 maximum is reduced by the launch after the one that leaves it: nothing runs
 in XLA between the launches.
 
@@ -368,10 +369,11 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   def launch(jobs, name):
     return staging.launch(jobs, mode=problem.mode, interpret=interpret, name=name)
 
-  def product(a, a_unscale, b, b_unscale, config, transpose_a=False, **options):
+  def product(a, a_unscale, b, b_unscale, config, transpose_a=False, out_dtype=jnp.float32,
+              **options):
     """op(a) @ b on the scaled f16 operands, unscaled in the engine (by a's reciprocal
     scales per row of op(a), b's per column), in fp32."""
-    return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=jnp.float32, config=config,
+    return engine.matmul(a, b, transpose_a=transpose_a, out_dtype=out_dtype, config=config,
                          row_scale=a_unscale, col_scale=b_unscale,
                          defer_tail="epilogue" not in options, **options)
 
@@ -417,6 +419,16 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
              (x, line_maxima, line_copy, speculated_scale))
             for kind, line_copy, line_maxima in zip(lines, line_copies, maxima)]
 
+  def pre_gelu_checks(line_copies, maxima):
+    """The pre-GELU gradient's checked jobs. Its fp32 values are not stored: the few tiles
+    rewritten are computed again, gelu'(fc1_output) times grad_output @ fc2_weight in
+    TF32, as `Cast(product=True)` does."""
+    shape = (padded, fc2_weight.shape[1])
+    return [(Cast(shape, f16, scales=(kind,), parts=SCALED_COPY_PARTS, scales_from="checked",
+                  product=True, epilogue=reference.gelu_backward),
+             (grad_output, fc2_weight, line_maxima, line_copy, fc1_output, copy_scale))
+            for kind, line_copy, line_maxima in zip(("columns", "rows"), line_copies, maxima)]
+
   def input_checks(name, line_copies, maxima):
     return checks(*inputs[name], line_copies, maxima, speculated_scales[name])
 
@@ -432,25 +444,24 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
     checked[name], results = results[:len(inputs[name][2])], results[len(inputs[name][2]):]
   (dy_by_column, dy_column_unscale), (dy_by_row, dy_row_unscale) = checked["grad_output"]
   # The pre-GELU gradient keeps the padded rows, zero: their accumulators are, and so is
-  # gelu'(0) times them. The epilogue also writes its two f16 copies at grad_output's
-  # speculated scale, sums the columns (the bias gradient) and finds the largest |value|
-  # of each column and row, from which the launch after it checks the copies' scales, as
-  # the inputs' are checked.
+  # gelu'(0) times them. The epilogue stores only its two f16 copies, at grad_output's
+  # speculated scale, sums the fp32 columns (the bias gradient) and finds the largest
+  # |value| of each column and row, from which the launch after it checks the copies'
+  # scales, as the inputs' are checked (and computes again the tiles it rewrites).
   side_copies = [(inputs[name][0], inputs[name][1] or inputs[name][0].shape[0],
                   speculated_scales[name]) for name in later] if side else ()
   pre = product(
       dy_by_row, dy_row_unscale, *checked["fc2_weight"][0], pre_config,
       epilogue=reference.gelu_backward, epilogue_operand=fc1_output, column_sums="unrounded",
       line_maxima=True, approx_math=True, partial_reductions=True, speculated_copies=2,
-      copy_scale=copy_scale, side_copies=side_copies)
+      copy_scale=copy_scale, side_copies=side_copies, out_dtype=None)
   pre, side_outs = pre if side else (pre, ())
   checks_after = [job for name, (line_copy, maxima) in zip(later, side_outs)
                   for job in input_checks(name, (line_copy,), (maxima,))]
-  grad_pre, *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
+  *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
   ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), *checked_after,
    grad_fc1_bias) = launch(
-      checks(grad_pre, 0, ("columns", "rows"), pre_copies, (pre_column_max, pre_row_max),
-             copy_scale)
+      pre_gelu_checks(pre_copies, (pre_column_max, pre_row_max))
       + checks_after
       + [(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_scales")

@@ -50,7 +50,8 @@ With `speculated_copies`, the fused epilogue also stores f16 copies of its fp32 
 scaled by a speculated power of two per column (`copy_scale`, TMA'd beside the
 epilogue operand), from one shared-memory piece per warpgroup: the TF32 products'
 operands, which a checked `staging.Cast` rewrites only where a line does not fit that
-scale.
+scale. With `out_dtype=None` the fp32 values themselves are not stored (that check
+recomputes the few tiles it rewrites).
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
@@ -166,8 +167,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
   buffers = [stages * block_m, stages * block_n]   # the A and B rings
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
-  out_bytes = jnp.dtype(out_dtype).itemsize
-  buffers.append(2 * slots * epi_m * epi_n * out_bytes)
+  if out_dtype is not None:
+    buffers.append(2 * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize)
   if split_tail and _partials_need_own_buffer(out_dtype):   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
   if epilogue_dtype is not None:      # the fused epilogue's operand tiles
@@ -265,7 +266,7 @@ def _warpgroup_tile_lines(shape, block, warpgroup_tile):
 def _partials_need_own_buffer(out_dtype) -> bool:
   """Whether a K-part's fp32 partial tile needs a shared-memory buffer of its own: it goes
   through the output's epilogue buffers when they are fp32."""
-  return jnp.dtype(out_dtype) != jnp.float32
+  return out_dtype is None or jnp.dtype(out_dtype) != jnp.float32
 
 
 def num_sms() -> int:
@@ -289,7 +290,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   `column_sums="stored"` (of the values as stored) or `"unrounded"` (of the fp32
   values) also returns the fp32 sums over the rows, `(out, sums [N])`; `line_maxima`
   the largest |value| (fp32, NaN if any is) of each column and row after them,
-  `(out, [sums,] column_max [N], row_max [M])`. `approx_math` lets `exp` and
+  `(out, [sums,] column_max [N], row_max [M])`; with `out_dtype=None` (only with
+  `speculated_copies`) nothing is stored for `out` and it is left out of the results. `approx_math` lets `exp` and
   division in the kernel (the epilogue's) use the GPU's approximate instructions
   (ex2.approx, div.approx: within 2^-22 relative). With `partial_reductions`, the sums
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
@@ -319,8 +321,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if b.shape[0] != k:
     raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
-  piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype).itemsize
-  if piece_bytes < SWIZZLE:
+  piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype or jnp.float32).itemsize
+  if piece_bytes < SWIZZLE:   # (the output's pieces; a copy's swizzle is as wide as its rows)
     raise ValueError(f"GemmConfig.epilogue_tile {config.epilogue_tile} stores rows of "
                      f"{piece_bytes} bytes of {jnp.dtype(out_dtype).name}; the swizzled "
                      f"epilogue needs >= {SWIZZLE}.")
@@ -339,10 +341,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       if v.shape != (size,) or v.dtype != jnp.float32:
         raise ValueError(f"matmul: {name} has shape {v.shape} and dtype {v.dtype}; expected "
                          f"float32 [{size}].")
-  if speculated_copies and (epilogue is None or jnp.dtype(out_dtype) != jnp.float32):
+  out_name = "None" if out_dtype is None else jnp.dtype(out_dtype).name
+  if speculated_copies and (epilogue is None or out_name not in ("float32", "None")):
     raise ValueError(f"matmul: speculated_copies={speculated_copies} are an epilogue's f16 "
-                     f"copies of its fp32 values; out_dtype is {jnp.dtype(out_dtype).name}"
+                     f"copies of its fp32 values; out_dtype is {out_name}"
                      f"{'' if epilogue is not None else ' and there is no epilogue'}.")
+  if out_dtype is None and (not speculated_copies or column_sums == "stored"):
+    raise ValueError(f"matmul: out_dtype=None stores no product; it takes speculated_copies, "
+                     f"which store its f16 copies instead, and no column sums of stored "
+                     f"values (speculated_copies={speculated_copies}, "
+                     f"column_sums={column_sums!r}).")
   if (copy_scale is not None) != bool(speculated_copies) or copy_scale is not None and (
       copy_scale.shape != (n,) or copy_scale.dtype != jnp.float32):
     raise ValueError(
@@ -387,7 +395,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     smem = max(smem, copy_shared_memory_bytes(a.dtype))
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
-                     f"[{m}, {k}] @ [{k}, {n}] into {jnp.dtype(out_dtype).name}; an sm_90 "
+                     f"[{m}, {k}] @ [{k}, {n}] into {out_name}; an sm_90 "
                      f"block has {SHARED_MEMORY_BYTES} (fewer stages or smaller epilogue "
                      "pieces fit).")
   block_m, block_n = config.block
@@ -395,9 +403,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
-                             side_copies=tuple(len(side) == 3 for side in side_copies),
+                             stores_out=out_dtype is not None, side_copies=tuple(len(side) == 3 for side in side_copies),
                              copy_programs=config.copy_programs)
-  out_types = [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
+  out_types = [] if out_dtype is None else [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
@@ -430,21 +438,23 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       copies[i] = (copies[i], partial_max)
     outs, copies = outs[:first], tuple(copies)
     return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
-                           speculated_copies, defer_tail, interpret), copies
+                           speculated_copies, out_dtype is not None, defer_tail,
+                           interpret), copies
   return _product_result(outs, plan, config, column_sums, line_maxima, partial_reductions,
-                         speculated_copies, defer_tail, interpret)
+                         speculated_copies, out_dtype is not None, defer_tail, interpret)
 
 
 def _product_result(outs, plan: Schedule, config: GemmConfig, column_sums, line_maxima,
-                    partial_reductions, speculated_copies, defer_tail, interpret):
+                    partial_reductions, speculated_copies, stores_out, defer_tail, interpret):
   """What `matmul` returns from the kernel's product outputs (see its docstring)."""
   if (column_sums or line_maxima) and partial_reductions:
     return tuple(outs)
   if column_sums or line_maxima:
-    reduced = list(outs[1 + speculated_copies:])
+    stored = stores_out + speculated_copies
+    reduced = list(outs[stored:])
     sums = (sum_in_order(reduced.pop(0)),) if column_sums else ()
     maxima = tuple(jnp.max(x, axis=0) for x in reduced) if line_maxima else ()
-    return (*outs[:1 + speculated_copies], *sums, *maxima)
+    return (*outs[:stored], *sums, *maxima)
   if speculated_copies:   # (whole blocks only: a fused epilogue has no split tail)
     return tuple(outs)
   if plan.splits == 1:
@@ -488,8 +498,8 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
-            line_maxima: bool, speculated_copies: int, side_copies: tuple[bool, ...],
-            copy_programs: int):
+            line_maxima: bool, speculated_copies: int, stores_out: bool,
+            side_copies: tuple[bool, ...], copy_programs: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -512,22 +522,24 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                    copy_scale_gmem, *refs, config=config, transpose_a=transpose_a, plan=plan,
                    epilogue=epilogue, column_sums=column_sums, scaled=scaled,
-                   line_maxima=line_maxima, speculated_copies=speculated_copies)
+                   line_maxima=line_maxima, speculated_copies=speculated_copies,
+                   stores_out=stores_out)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config: GemmConfig, transpose_a: bool,
                      plan: Schedule, epilogue: Callable | None, column_sums: str | None,
-                     scaled: bool, line_maxima: bool, speculated_copies: int):
+                     scaled: bool, line_maxima: bool, speculated_copies: int,
+                     stores_out: bool = True):
   """One program's blocks of the product (`refs`: the product's outputs)."""
   refs = list(refs)
-  out_gmem = refs.pop(0)
+  out_gmem = refs.pop(0) if stores_out else None
   copies_gmem = [refs.pop(0) for _ in range(speculated_copies)]
   sums_gmem = refs.pop(0) if column_sums else None
   col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
   partial_gmem = refs   # the split tail's fp32 partials, if any
-  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  dtype, out_dtype = a_gmem.dtype, None if out_gmem is None else out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
   grid_m, grid_n = plan.grid_mn
@@ -542,9 +554,12 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
   # so the two epilogues fit beside the operand ring.
   epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
       (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype, rows))
-  out_tile_rows = 8 if out_gmem.shape[0] % 8 == 0 else 1   # TMA reaches a ragged output
+  out_rows = (out_gmem if stores_out else copies_gmem[0]).shape[0]
+  out_tile_rows = 8 if out_rows % 8 == 0 else 1   # TMA reaches a ragged output
   extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, 1, max(epi_n, 32)))
                 if separate_partial_smem else {})
+  if stores_out:
+    extra_smem.update(out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows))
   if epilogue is not None:
     operand_rows = 8 if operand_gmem.shape[0] % 8 == 0 else 1
     extra_smem.update(
@@ -589,9 +604,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
   @functools.partial(
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
-      out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows), **extra_smem,
-      collective_axes="wg")
-  def _scope(allocations, out_smem, partial_smem=None, operand_smem=None, operand_arrived=None,
+      **extra_smem, collective_axes="wg")
+  def _scope(allocations, out_smem=None, partial_smem=None, operand_smem=None, operand_arrived=None,
              sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
              scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_smem=None,
              copy_scale_smem=None, copy_scale_arrived=None):
@@ -627,7 +641,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
                        * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
       if partial_index is None:
-        out, smem = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem
+        out, smem = (None, None) if out_gmem is None else (
+            out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem)
       else:   # the partial block's own coordinates
         out = partial_gmem[0].at[partial_index, pl.ds(partial_origin[0], tile_m),
                                  pl.ds(partial_origin[1], tile_n)]
@@ -635,7 +650,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       if epilogue is not None:   # (whole blocks only: K-parts have no epilogue)
         plgpu.barrier_wait(operand_arrived.at[wg])
         value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
-      acc = value.astype(smem.dtype)
+      acc = None if smem is None else value.astype(smem.dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
       if reduces_columns:
         plgpu.barrier_wait(reduction_turn.at[wg])
@@ -655,8 +670,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         if line_maxima:
           plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
                                   row_max_gmem.at[col0 // tile_n, pl.ds(row0, tile_m)])
-      buffers, piece_n = smem.shape[1], smem.shape[-1]
-      for pm in range(tile_m // epi_m):
+      buffers, piece_n = (0, 1) if smem is None else (smem.shape[1], smem.shape[-1])
+      for pm in range(tile_m // epi_m if buffers else 0):   # (no output stored: none)
         for pn in range(tile_n // piece_n):
           slot = (pm * (tile_n // piece_n) + pn) % buffers
           rows = slice(pm * epi_m, (pm + 1) * epi_m)
