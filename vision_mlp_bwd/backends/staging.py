@@ -245,7 +245,7 @@ class Cast:
         k, k_mask = span(s, self.product_k, a_ref.shape[1])
         return acc + kernel_dot(load_tile(a_ref, rows, in_a, k, k_mask),
                                 load_tile(b_ref, k, k_mask, cols, col_mask), mode,
-                                round_both=mode == DotMode.TF32)
+                                round_both=True)
       x = lax.fori_loop(0, steps, step, jnp.zeros((rows.shape[0], cols.shape[0]), jnp.float32))
     else:
       x = load_tile(in_refs[0], rows, in_x, cols, col_mask)

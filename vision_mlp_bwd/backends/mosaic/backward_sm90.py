@@ -73,6 +73,7 @@ import dataclasses
 import json
 import pathlib
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -411,23 +412,15 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   speculated_scales = dict(zip(inputs, speculated[len(staged):]))
   *_, fc2_bias_parts, _, _ = copies["grad_output"]
 
-  def checks(x, rows, lines, line_copies, maxima, speculated_scale):
-    """One checked job per copy: a column-scaled one in bands of tiles (its columns'
+  def checks(x, rows, lines, line_copies, maxima, speculated_scale, sources=None,
+             operand=(), **options):
+    """One checked job per copy of x: a column-scaled one in bands of tiles (its columns'
     partial maxima loaded once a band), a row-scaled one a tile per program (only its
-    rows' maxima loaded)."""
-    return [(copy(x, rows, (kind,), scales_from="checked"),
-             (x, line_maxima, line_copy, speculated_scale))
+    rows' maxima loaded). x is an input, or (with `sources` and the `Cast` options for
+    them) the shape of what they compute."""
+    return [(copy(x, rows, (kind,), scales_from="checked", **options),
+             (*(sources or (x,)), line_maxima, line_copy, *operand, speculated_scale))
             for kind, line_copy, line_maxima in zip(lines, line_copies, maxima)]
-
-  def pre_gelu_checks(line_copies, maxima):
-    """The pre-GELU gradient's checked jobs. Its fp32 values are not stored: the few tiles
-    rewritten are computed again, gelu'(fc1_output) times grad_output @ fc2_weight in
-    TF32, as `Cast(product=True)` does."""
-    shape = (padded, fc2_weight.shape[1])
-    return [(Cast(shape, f16, scales=(kind,), parts=SCALED_COPY_PARTS, scales_from="checked",
-                  product=True, epilogue=reference.gelu_backward),
-             (grad_output, fc2_weight, line_maxima, line_copy, fc1_output, copy_scale))
-            for kind, line_copy, line_maxima in zip(("columns", "rows"), line_copies, maxima)]
 
   def input_checks(name, line_copies, maxima):
     return checks(*inputs[name], line_copies, maxima, speculated_scales[name])
@@ -461,7 +454,12 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   *pre_copies, fc1_bias_parts, pre_column_max, pre_row_max = pre
   ((pre_by_column, pre_column_unscale), (pre_by_row, pre_row_unscale), *checked_after,
    grad_fc1_bias) = launch(
-      pre_gelu_checks(pre_copies, (pre_column_max, pre_row_max))
+      # (the pre-GELU gradient was not stored: a tile rewritten is computed again,
+      # gelu'(fc1_output) times grad_output @ fc2_weight in TF32, `Cast(product=True)`)
+      checks(jax.ShapeDtypeStruct((padded, fc2_weight.shape[1]), jnp.float32), 0,
+             ("columns", "rows"), pre_copies, (pre_column_max, pre_row_max), copy_scale,
+             sources=(grad_output, fc2_weight), operand=(fc1_output,), product=True,
+             epilogue=reference.gelu_backward)
       + checks_after
       + [(staging.SumRows(fc1_bias_parts.shape), (fc1_bias_parts,))],
       "mlp_backward_pre_gelu_scales")

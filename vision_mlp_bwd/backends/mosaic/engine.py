@@ -291,8 +291,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   values) also returns the fp32 sums over the rows, `(out, sums [N])`; `line_maxima`
   the largest |value| (fp32, NaN if any is) of each column and row after them,
   `(out, [sums,] column_max [N], row_max [M])`; with `out_dtype=None` (only with
-  `speculated_copies`) nothing is stored for `out` and it is left out of the results. `approx_math` lets `exp` and
-  division in the kernel (the epilogue's) use the GPU's approximate instructions
+  `speculated_copies`) nothing is stored for `out` and it is left out of the results.
+  `approx_math` lets `exp` and division in the kernel (the epilogue's) use the GPU's approximate instructions
   (ex2.approx, div.approx: within 2^-22 relative). With `partial_reductions`, the sums
   and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
   column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
@@ -403,7 +403,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   kernel = functools.partial(_kernel, config=config, transpose_a=transpose_a, plan=plan,
                              epilogue=epilogue, column_sums=column_sums, scaled=bool(scales),
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
-                             stores_out=out_dtype is not None, side_copies=tuple(len(side) == 3 for side in side_copies),
+                             stores_out=out_dtype is not None,
+                             side_copies=tuple(len(side) == 3 for side in side_copies),
                              copy_programs=config.copy_programs)
   out_types = [] if out_dtype is None else [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
@@ -531,7 +532,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
                      copy_scale_gmem, *refs, config: GemmConfig, transpose_a: bool,
                      plan: Schedule, epilogue: Callable | None, column_sums: str | None,
                      scaled: bool, line_maxima: bool, speculated_copies: int,
-                     stores_out: bool = True):
+                     stores_out: bool):
   """One program's blocks of the product (`refs`: the product's outputs)."""
   refs = list(refs)
   out_gmem = refs.pop(0) if stores_out else None
@@ -605,8 +606,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       pl.run_scoped,
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       **extra_smem, collective_axes="wg")
-  def _scope(allocations, out_smem=None, partial_smem=None, operand_smem=None, operand_arrived=None,
-             sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
+  def _scope(allocations, out_smem=None, partial_smem=None, operand_smem=None,
+             operand_arrived=None, sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
              scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_smem=None,
              copy_scale_smem=None, copy_scale_arrived=None):
     wg = lax.axis_index("wg")
@@ -670,16 +671,17 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         if line_maxima:
           plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
                                   row_max_gmem.at[col0 // tile_n, pl.ds(row0, tile_m)])
-      buffers, piece_n = (0, 1) if smem is None else (smem.shape[1], smem.shape[-1])
-      for pm in range(tile_m // epi_m if buffers else 0):   # (no output stored: none)
-        for pn in range(tile_n // piece_n):
-          slot = (pm * (tile_n // piece_n) + pn) % buffers
-          rows = slice(pm * epi_m, (pm + 1) * epi_m)
-          cols = slice(pn * piece_n, (pn + 1) * piece_n)
-          plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
-          smem[wg, slot] = acc[rows, cols]
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
+      if smem is not None:   # (None: no output stored, only the copies below)
+        buffers, piece_n = smem.shape[1], smem.shape[-1]
+        for pm in range(tile_m // epi_m):
+          for pn in range(tile_n // piece_n):
+            slot = (pm * (tile_n // piece_n) + pn) % buffers
+            rows = slice(pm * epi_m, (pm + 1) * epi_m)
+            cols = slice(pn * piece_n, (pn + 1) * piece_n)
+            plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
+            smem[wg, slot] = acc[rows, cols]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
       if copies_gmem:   # the same values scaled to f16, one piece at a time to every copy
         plgpu.barrier_wait(copy_scale_arrived.at[wg])
         copy = scaled_f16_operand(
