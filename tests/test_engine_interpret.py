@@ -18,6 +18,8 @@ in bf16 (unit roundoff 2^-8).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -182,7 +184,7 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
   the fused epilogue stores, times `copy_scale` per column (every element written:
   unwritten ones read NaN), from pieces of 32 f16 columns (the TF32 pre-GELU config's, a
   64-byte swizzle), over 2 x 2 blocks on 3 programs; with `out_dtype=None` the same
-  copies, and nothing else."""
+  copies, and nothing else, through one or two pieces per warpgroup."""
   m, k, n = 256, 128, 256
   config = C(tile_n=64, stages=2, epilogue_tile=(64, 32), epilogue_buffers=1)
   keys = jax.random.split(jax.random.key(23), 3)
@@ -201,13 +203,15 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
   for copy in copies:
     assert copy.dtype == jnp.float16 and copy.shape == (m, n)
     np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
-  copies_alone = engine.matmul(a, b, config=config, num_programs=3, out_dtype=None,
-                               epilogue=reference.gelu_backward, epilogue_operand=x,
-                               speculated_copies=2, copy_scale=copy_scale,
-                               interpret=interpret_params.InterpretGPUParams())
-  assert len(copies_alone) == 2
-  for copy in copies_alone:
-    np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
+  for buffers in (1, 2):
+    copies_alone = engine.matmul(
+        a, b, config=dataclasses.replace(config, epilogue_buffers=buffers), num_programs=3,
+        out_dtype=None, epilogue=reference.gelu_backward, epilogue_operand=x,
+        speculated_copies=2, copy_scale=copy_scale,
+        interpret=interpret_params.InterpretGPUParams())
+    assert len(copies_alone) == 2
+    for copy in copies_alone:
+      np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
 
 
 def test_copy_programs_in_interpret_mode_copy_every_element_bitwise():

@@ -48,9 +48,9 @@ pair of barriers.
 
 With `speculated_copies`, the fused epilogue also stores f16 copies of its fp32 values
 scaled by a speculated power of two per column (`copy_scale`, TMA'd beside the
-epilogue operand), from one shared-memory piece per warpgroup: the TF32 products'
-operands, which a checked `staging.Cast` rewrites only where a line does not fit that
-scale. With `out_dtype=None` the fp32 values themselves are not stored (that check
+epilogue operand), through `epilogue_buffers` shared-memory pieces per warpgroup: the
+TF32 products' operands, which a checked `staging.Cast` rewrites only where a line does
+not fit that scale. With `out_dtype=None` the fp32 values themselves are not stored (that check
 recomputes the few tiles it rewrites).
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
@@ -177,8 +177,8 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers.append(2 * config.tile_n * 4)
   if line_maxima:                     # each warpgroup's column and row maxima
     buffers += [2 * config.tile_n * 4, 2 * config.tile_m * 4]
-  if speculated_copies:               # each warpgroup's f16 piece of them, and their scales
-    buffers += [2 * epi_m * epi_n * 2, 2 * config.tile_n * 4]
+  if speculated_copies:               # each warpgroup's f16 pieces of them, and their scales
+    buffers += [2 * slots * epi_m * epi_n * 2, 2 * config.tile_n * 4]
   if scales:                          # each warpgroup's row and column scales
     buffers += [2 * config.tile_m * 4, 2 * config.tile_n * 4]
   if column_sums or line_maxima:      # the reductions' scratch (one at a time)
@@ -569,7 +569,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if copies_gmem:   # rows of one piece: a swizzle as wide as they are
     extra_smem.update(copy_smem=plgpu.SMEM(
-        (2, epi_m, epi_n), jnp.float16,
+        (2, slots, epi_m, epi_n), jnp.float16,
         transforms=swizzled_tiles(jnp.float16, out_tile_rows, min(SWIZZLE, 2 * epi_n))),
         copy_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
         copy_scale_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
@@ -689,13 +689,16 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
         for pm in range(tile_m // epi_m):
           for pn in range(tile_n // epi_n):
+            slot = (pm * (tile_n // epi_n) + pn) % slots
             rows = slice(pm * epi_m, (pm + 1) * epi_m)
             cols = slice(pn * epi_n, (pn + 1) * epi_n)
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            copy_smem[wg] = copy[rows, cols]
+            # the stores of the piece that last used this slot (each piece's are one group
+            # per copy, and groups finish in the order they were committed)
+            plgpu.wait_smem_to_gmem(len(copies_gmem) * (slots - 1), wait_read_only=True)
+            copy_smem[wg, slot] = copy[rows, cols]
             plgpu.commit_smem()
             for copy_gmem in copies_gmem:
-              plgpu.copy_smem_to_gmem(copy_smem.at[wg], copy_gmem.at[tile].at[rows, cols])
+              plgpu.copy_smem_to_gmem(copy_smem.at[wg, slot], copy_gmem.at[tile].at[rows, cols])
 
     whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
 
