@@ -118,6 +118,10 @@ class GemmConfig:
   # Programs that make `matmul`'s side copies instead of computing blocks (the blocks go to
   # the SM count less these): a memory-bound pass run beside the product in its launch.
   copy_programs: int = 0
+  # A fused epilogue's column sums and line maxima: the two warpgroups reduce in turns
+  # (see the module docstring); staggered, warpgroup 1 stores its tile first, while
+  # warpgroup 0 reduces, instead of waiting for its turn.
+  staggered_reductions: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -653,7 +657,9 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         value = epilogue(acc, operand_smem[wg].astype(jnp.float32))
       acc = None if smem is None else value.astype(smem.dtype)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
-      if reduces_columns:
+
+      def reduce_lines():
+        """The column sums and line maxima of this tile, in this warpgroup's turn."""
         plgpu.barrier_wait(reduction_turn.at[wg])
         if sums_gmem is not None:
           sums_smem[wg] = jnp.sum(
@@ -671,6 +677,12 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         if line_maxima:
           plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
                                   row_max_gmem.at[col0 // tile_n, pl.ds(row0, tile_m)])
+
+      # Staggered, warpgroup 1 stores while warpgroup 0 has its turn, and reduces after.
+      if reduces_columns and config.staggered_reductions:
+        pl.when(wg == 0)(reduce_lines)
+      elif reduces_columns:
+        reduce_lines()
       if smem is not None:   # (None: no output stored, only the copies below)
         buffers, piece_n = smem.shape[1], smem.shape[-1]
         for pm in range(tile_m // epi_m):
@@ -699,6 +711,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
             plgpu.commit_smem()
             for copy_gmem in copies_gmem:
               plgpu.copy_smem_to_gmem(copy_smem.at[wg, slot], copy_gmem.at[tile].at[rows, cols])
+      if reduces_columns and config.staggered_reductions:
+        pl.when(wg == 1)(reduce_lines)
 
     whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
 
