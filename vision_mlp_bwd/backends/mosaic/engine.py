@@ -44,7 +44,8 @@ workspaces (maxima are exact in any order). Pallas's Mosaic GPU
 lowering gives every reduction across warps one shared-memory scratch
 buffer, which both compute warpgroups wrote at once (wrong sums on the H200;
 benchmarks/NOTES.md, 35), so the two warpgroups take turns, ordered by a
-pair of barriers.
+pair of barriers: warpgroup 0 reduces first while warpgroup 1 stores its tile, then
+warpgroup 1 reduces.
 
 With `speculated_copies`, the fused epilogue also stores f16 copies of its fp32 values
 scaled by a speculated power of two per column (`copy_scale`, TMA'd beside the
@@ -118,10 +119,6 @@ class GemmConfig:
   # Programs that make `matmul`'s side copies instead of computing blocks (the blocks go to
   # the SM count less these): a memory-bound pass run beside the product in its launch.
   copy_programs: int = 0
-  # A fused epilogue's column sums and line maxima: the two warpgroups reduce in turns
-  # (see the module docstring); staggered, warpgroup 1 stores its tile first, while
-  # warpgroup 0 reduces, instead of waiting for its turn.
-  staggered_reductions: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -678,11 +675,9 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
           plgpu.copy_smem_to_gmem(row_max_smem.at[wg],
                                   row_max_gmem.at[col0 // tile_n, pl.ds(row0, tile_m)])
 
-      # Staggered, warpgroup 1 stores while warpgroup 0 has its turn, and reduces after.
-      if reduces_columns and config.staggered_reductions:
+      # Warpgroup 0 reduces first; warpgroup 1 stores meanwhile and reduces last.
+      if reduces_columns:
         pl.when(wg == 0)(reduce_lines)
-      elif reduces_columns:
-        reduce_lines()
       if smem is not None:   # (None: no output stored, only the copies below)
         buffers, piece_n = smem.shape[1], smem.shape[-1]
         for pm in range(tile_m // epi_m):
@@ -711,7 +706,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
             plgpu.commit_smem()
             for copy_gmem in copies_gmem:
               plgpu.copy_smem_to_gmem(copy_smem.at[wg, slot], copy_gmem.at[tile].at[rows, cols])
-      if reduces_columns and config.staggered_reductions:
+      if reduces_columns:
         pl.when(wg == 1)(reduce_lines)
 
     whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
