@@ -18,6 +18,7 @@ import pytest
 from vision_mlp_bwd import precision
 from vision_mlp_bwd.backends import mosaic
 from vision_mlp_bwd.backends.mosaic import backward_sm90 as mosaic_backward
+from vision_mlp_bwd.backends.shared import in_ranges
 from vision_mlp_bwd.precision import DotMode
 from vision_mlp_bwd.problem import Problem
 from tests import bounds, helpers
@@ -119,23 +120,36 @@ def test_it_is_preferred_only_where_its_routing_says():
   assert not backend.preferred(_problem(292, mode=DotMode.BF16), "gpu")   # not measured
   assert backend.preferred(_problem(384, jnp.bfloat16, DotMode.BF16), "gpu")
   assert not backend.preferred(_problem(768, jnp.bfloat16, DotMode.BF16), "gpu")
-  routed = dataclasses.replace(mosaic_backward.TABLES, routing={"float32": {"f16": [[1024, None]]}})
-  original = mosaic.TABLES
-  try:
-    mosaic.TABLES = routed
-    assert backend.preferred(_problem(10 ** 6), "gpu")
-    assert not backend.preferred(_problem(512), "gpu")
-    assert not backend.preferred(_problem(4096, jnp.bfloat16, DotMode.BF16), "gpu")
-  finally:
-    mosaic.TABLES = original
+
+def test_a_gpu_with_a_routing_of_its_own_is_routed_by_it(monkeypatch, tmp_path):
+  """On a GPU whose device kind has a routing file, its pairs of input dtype and mode
+  replace the H200's; the others keep the H200's; another GPU gets the H200's."""
+  backend = mosaic.BACKEND
+  path = tmp_path / "other.json"
+  path.write_text('{"gpu": "%s", "routing": {"float32": {"f16": [[1024, null]]}}}'
+                  % jax.devices()[0].device_kind)
+  monkeypatch.setattr(mosaic_backward, "ROUTINGS", mosaic_backward.load_routings([path]))
+  assert backend.preferred(_problem(10 ** 6), "gpu")
+  assert not backend.preferred(_problem(512), "gpu")   # the H200 takes it from 293
+  assert backend.preferred(_problem(4096, jnp.bfloat16, DotMode.BF16), "gpu")   # kept
+  assert backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")
+  monkeypatch.setattr(mosaic_backward, "ROUTINGS", {"another GPU": {}})
+  assert backend.preferred(_problem(512), "gpu")
+  h100 = mosaic_backward.load_routings()["NVIDIA H100 80GB HBM3"]
+  assert h100["bfloat16"]["bf16"] != mosaic_backward.TABLES.routing["bfloat16"]["bf16"]
+  assert h100["float32"] == mosaic_backward.TABLES.routing["float32"]
 
 
-def _routing_runs():
-  """The input-dtype runs the routing cites, merged: {(inputs, S): {implementation: µs}},
-  `inputs` a column label's prefix ("fp32 in, F16", "fp32 in, DEFAULT", "bf16 in", ...)."""
+ROUTED_FILES = (mosaic_backward.CONFIG_FILE, *mosaic_backward.ROUTING_FILES)
+
+
+def _routing_runs(path):
+  """The input-dtype runs a config file's routing cites, merged: {(inputs, S):
+  {implementation: µs}}, `inputs` a column label's prefix ("fp32 in, F16", "fp32 in,
+  DEFAULT", "bf16 in", ...)."""
   import json
   import pathlib
-  document = json.loads(mosaic_backward.CONFIG_FILE.read_text())
+  document = json.loads(path.read_text())
   paths = [r["path"] for r in document["provenance"]["results"] if "routing" in r["what"]]
   times = {}
   for path in paths:
@@ -148,6 +162,7 @@ def _routing_runs():
   return times
 
 
+@pytest.mark.parametrize("path", ROUTED_FILES, ids=lambda p: p.name)
 @pytest.mark.parametrize("dtype, mode, inputs", [(jnp.float32, DotMode.F16, "fp32 in, F16"),
                                                  (jnp.float32, DotMode.BF16, "fp32 in, BF16"),
                                                  (jnp.float32, DotMode.TF32, "fp32 in, DEFAULT"),
@@ -156,20 +171,26 @@ def _routing_runs():
                                                  (jnp.float32, DotMode.HIGHEST,
                                                   "fp32 in, HIGHEST"),
                                                  (jnp.float32, DotMode.BF16X3, "fp32 in, HIGH")])
-def test_routing_holds_to_the_measurements_it_cites(dtype, mode, inputs):
-  """The automatic choice takes the backend only where it measured faster than every other
-  implementation in the cited runs (fp32 inputs under F16, BF16, DEFAULT, HIGHEST and HIGH,
-  16-bit inputs at the default precision), and each routed range ends at measured S."""
-  runs = _routing_runs()
+def test_routing_holds_to_the_measurements_it_cites(path, dtype, mode, inputs):
+  """In each config file, the routing takes the backend only where it measured faster than
+  every other implementation in the runs that file cites (fp32 inputs under F16, BF16,
+  DEFAULT, HIGHEST and HIGH, 16-bit inputs at the default precision; another GPU's file
+  only the pairs it lists), and each routed range ends at measured S."""
+  import json
+  ranges = json.loads(path.read_text())["routing"].get(jnp.dtype(dtype).name, {}).get(
+      mode.value)
+  if ranges is None and path != mosaic_backward.CONFIG_FILE:
+    pytest.skip(f"{path.name} keeps {mosaic_backward.CONFIG_FILE.name}'s routing of {inputs}")
+  runs = _routing_runs(path)
   measured = {tokens for name, tokens in runs if name == inputs}
   assert measured, f"no cited run measured {inputs}"
   for (name, tokens), times in runs.items():
     if name != inputs:
       continue
     others = min(us for label, us in times.items() if label not in ("mosaic", "auto"))
-    routed = mosaic.BACKEND.preferred(_problem(tokens, dtype, mode), "gpu")
+    routed = in_ranges(tokens, ranges)
     assert routed == (times["mosaic"] < others), (inputs, tokens, times)
-  for lo, hi in mosaic_backward.TABLES.routing[jnp.dtype(dtype).name][mode.value]:
+  for lo, hi in ranges:
     assert lo in measured and hi in measured
 
 
@@ -196,12 +217,13 @@ def test_configs_by_s_from_the_file(tokens, dtype, mode, rows_block, weight_bloc
     assert width >= 128
 
 
-def test_its_config_file_cites_results_commits_and_notes_that_exist():
+@pytest.mark.parametrize("path", ROUTED_FILES, ids=lambda p: p.name)
+def test_its_config_files_cite_results_commits_and_notes_that_exist(path):
   import json
   import pathlib
   import re
   repo = pathlib.Path(__file__).resolve().parents[1]
-  document = json.loads(mosaic_backward.CONFIG_FILE.read_text())
+  document = json.loads(path.read_text())
   sections = {int(n) for n in re.findall(r"^### (\d+)\.",
                                          (repo / "benchmarks/NOTES.md").read_text(), re.M)}
   assert set(document["provenance"]["notes"]) <= sections
@@ -209,6 +231,8 @@ def test_its_config_file_cites_results_commits_and_notes_that_exist():
     path = repo / result["path"]
     assert path.is_file(), result["path"]
     assert helpers.recorded_commit(path).startswith(result["commit"]), result["path"]
+    if "routing" in result["what"]:   # measured on the GPU the file routes
+      assert json.loads(path.read_text())["device"] == document["gpu"], result["path"]
 
 
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,

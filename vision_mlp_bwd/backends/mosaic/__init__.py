@@ -1,7 +1,8 @@
 """The Hopper backend (Pallas Mosaic GPU): its GEMM engine and, built on it, the backward.
 
 First in the registry (`vision_mlp_bwd.backends`, `implementation="mosaic"`);
-the automatic choice takes it where `configs/h200.json`'s routing says so.
+the automatic choice takes it where `configs/h200.json`'s routing says so (on an H100,
+`configs/h100.json`'s where it measured otherwise).
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from vision_mlp_bwd.backends.mosaic.backward_sm90 import TABLES, backward
+from vision_mlp_bwd.backends.mosaic import backward_sm90
+from vision_mlp_bwd.backends.mosaic.backward_sm90 import backward
 from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE
 from vision_mlp_bwd.backends.shared import in_ranges
 from vision_mlp_bwd.precision import BF16X3_MODES, DotMode
@@ -42,11 +44,13 @@ class MosaicBackend:
     return None
 
   def preferred(self, problem: Problem, platform: str) -> bool:
-    """Where it measured faster than the others: `configs/h200.json`'s routing, S ranges
-    by input dtype and mode (e.g. `{"float32": {"f16": [[1024, null]]}}`)."""
+    """Where it measured faster than the others on this GPU: its routing
+    (`backward_sm90.routing_for`), S ranges by input dtype and mode (e.g. `{"float32":
+    {"f16": [[1024, null]]}}`)."""
     del platform
+    routing = backward_sm90.routing_for(jax.devices()[0].device_kind)
     return in_ranges(problem.tokens,
-                     TABLES.routing.get(problem.dtype.name, {}).get(problem.mode.value, ()))
+                     routing.get(problem.dtype.name, {}).get(problem.mode.value, ()))
 
   def backward(self, grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias,
                fc1_output, gelu_output, problem: Problem):

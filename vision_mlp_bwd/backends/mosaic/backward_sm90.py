@@ -87,6 +87,9 @@ from vision_mlp_bwd.precision import BF16X3_MODES, DotMode, xla_dot_general
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
+# Other GPUs' routing, measured on them (the tables stay CONFIG_FILE's): each file's
+# pairs of input dtype and mode replace CONFIG_FILE's; the pairs it leaves out keep them.
+ROUTING_FILES = (pathlib.Path(__file__).parent / "configs" / "h100.json",)
 # Bands of rows of a scaled copy (`staging.Cast.parts`): each band loads the partial
 # column maxima once, so fewer bands than a reduction's 64 (benchmarks/NOTES.md, 43).
 SCALED_COPY_PARTS = 16
@@ -159,6 +162,27 @@ class Tables:
 
 
 TABLES = Tables.load()
+
+
+def load_routings(paths=ROUTING_FILES, base: dict = TABLES.routing) -> dict[str, dict]:
+  """{device kind: routing} for the GPUs of `paths`, each file's routing over `base`'s
+  (a pair of input dtype and mode it lists replaces base's ranges for that pair)."""
+  routings = {}
+  for path in paths:
+    document = json.loads(pathlib.Path(path).read_text())
+    merged = {dtype: dict(modes) for dtype, modes in base.items()}
+    for dtype, modes in document["routing"].items():
+      merged.setdefault(dtype, {}).update(modes)
+    routings[document["gpu"]] = merged
+  return routings
+
+
+ROUTINGS = load_routings()
+
+
+def routing_for(device_kind: str) -> dict:
+  """The routing measured on this GPU (`jax.Device.device_kind`), else the H200's."""
+  return ROUTINGS.get(device_kind, TABLES.routing)
 
 
 def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
