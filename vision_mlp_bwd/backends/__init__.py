@@ -5,8 +5,8 @@ A backend is an object with a `name`, `unsupported_reason(problem, platform)`
 automatic choice should take it) and `backward(...)`. A new backend is one
 module plus one line in `_REGISTRY`; callers of the public API do not change.
 The Hopper backend (`backends/mosaic`) is first in order; the automatic choice
-takes it where its routing data (`backends/mosaic/configs/h200.json`) says it
-measured faster.
+takes it where its routing data (`backends/mosaic/configs/h200.json`, and on an H100
+`h100.json` where that card measured otherwise) says it measured faster.
 """
 
 from __future__ import annotations
