@@ -51,8 +51,8 @@ With `speculated_copies`, the fused epilogue also stores f16 copies of its fp32 
 scaled by a speculated power of two per column (`copy_scale`, TMA'd beside the
 epilogue operand), through `epilogue_buffers` shared-memory pieces per warpgroup: the
 TF32 products' operands, which a checked `staging.Cast` rewrites only where a line does
-not fit that scale. With `out_dtype=None` the fp32 values themselves are not stored (that check
-recomputes the few tiles it rewrites).
+not fit that scale. With `out_dtype=None` the fp32 values themselves are not stored
+(that check recomputes the few tiles it rewrites).
 
 With `row_scale` and `col_scale` (fp32 vectors, [M] and [N], TMA'd beside the
 epilogue operand), the accumulator (a K-part's, in the last wave) is
