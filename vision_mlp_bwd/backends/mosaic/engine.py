@@ -293,10 +293,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   the largest |value| (fp32, NaN if any is) of each column and row after them,
   `(out, [sums,] column_max [N], row_max [M])`; with `out_dtype=None` (only with
   `speculated_copies`) nothing is stored for `out` and it is left out of the results.
-  `approx_math` lets `exp` and division in the kernel (the epilogue's) use the GPU's approximate instructions
-  (ex2.approx, div.approx: within 2^-22 relative). With `partial_reductions`, the sums
-  and maxima come as their partial rows (`[R, N]`, `[R, N]`, `[R', M]`: one per row or
-  column of warpgroup tiles), for a later launch to reduce. With `defer_tail`, a product whose
+  `approx_math` lets `exp` and division in the kernel (the epilogue's) use the GPU's
+  approximate instructions (ex2.approx, div.approx: within 2^-22 relative). With
+  `partial_reductions`, the sums and maxima come as their partial rows (`[R, N]`, `[R,
+  N]`, `[R', M]`: one per row or column of warpgroup tiles), for a later launch to
+  reduce. With `defer_tail`, a product whose
   last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
   in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
   rows (TMA drops the stores past them: an S-row gradient from a product over operands
@@ -608,9 +609,9 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       allocations=pipeline(ignore, ignore, plan.k_steps).get_allocations(a_gmem, b_gmem),
       **extra_smem, collective_axes="wg")
   def _scope(allocations, out_smem=None, partial_smem=None, operand_smem=None,
-             operand_arrived=None, sums_smem=None, reduction_turn=None, row_scale_smem=None, col_scale_smem=None,
-             scales_arrived=None, col_max_smem=None, row_max_smem=None, copy_smem=None,
-             copy_scale_smem=None, copy_scale_arrived=None):
+             operand_arrived=None, sums_smem=None, reduction_turn=None, row_scale_smem=None,
+             col_scale_smem=None, scales_arrived=None, col_max_smem=None, row_max_smem=None,
+             copy_smem=None, copy_scale_smem=None, copy_scale_arrived=None):
     wg = lax.axis_index("wg")
 
     def start_tile(row0, col0, whole=True):
@@ -629,6 +630,24 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
                                 scales_arrived.at[wg])
         plgpu.copy_gmem_to_smem(col_scale_gmem.at[cols], col_scale_smem.at[wg],
                                 scales_arrived.at[2 + wg])
+
+    def store_in_pieces(tile_value, ring, targets):
+      """Stores warpgroup `wg`'s `tile_value` to each of `targets` (its tile's place in
+      each) by TMA, one piece at a time through its buffers of `ring` ([2, buffers, piece
+      rows, piece columns]). A buffer is written again once the stores of the piece before
+      in it have read it: each piece's stores are one group per target, and groups finish
+      in the order they were committed."""
+      buffers, piece_m, piece_n = ring.shape[1:]
+      for pm in range(tile_m // piece_m):
+        for pn in range(tile_n // piece_n):
+          slot = (pm * (tile_n // piece_n) + pn) % buffers
+          rows = slice(pm * piece_m, (pm + 1) * piece_m)
+          cols = slice(pn * piece_n, (pn + 1) * piece_n)
+          plgpu.wait_smem_to_gmem(len(targets) * (buffers - 1), wait_read_only=True)
+          ring[wg, slot] = tile_value[rows, cols]
+          plgpu.commit_smem()
+          for target in targets:
+            plgpu.copy_smem_to_gmem(ring.at[wg, slot], target.at[rows, cols])
 
     def finish_tile(acc, row0, col0, partial_index=None, partial_origin=(0, 0)):
       """Warpgroup `wg`'s epilogue for its tile at (row0, col0), its accumulator `acc`:
@@ -679,33 +698,13 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       if reduces_columns:
         pl.when(wg == 0)(reduce_lines)
       if smem is not None:   # (None: no output stored, only the copies below)
-        buffers, piece_n = smem.shape[1], smem.shape[-1]
-        for pm in range(tile_m // epi_m):
-          for pn in range(tile_n // piece_n):
-            slot = (pm * (tile_n // piece_n) + pn) % buffers
-            rows = slice(pm * epi_m, (pm + 1) * epi_m)
-            cols = slice(pn * piece_n, (pn + 1) * piece_n)
-            plgpu.wait_smem_to_gmem(buffers - 1, wait_read_only=True)
-            smem[wg, slot] = acc[rows, cols]
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(smem.at[wg, slot], out.at[rows, cols])
-      if copies_gmem:   # the same values scaled to f16, one piece at a time to every copy
+        store_in_pieces(acc, smem, [out])
+      if copies_gmem:   # the same values scaled to f16, to every copy
         plgpu.barrier_wait(copy_scale_arrived.at[wg])
         copy = scaled_f16_operand(
             value, lax.broadcast_in_dim(copy_scale_smem[wg], value.shape, (1,)))
         tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
-        for pm in range(tile_m // epi_m):
-          for pn in range(tile_n // epi_n):
-            slot = (pm * (tile_n // epi_n) + pn) % slots
-            rows = slice(pm * epi_m, (pm + 1) * epi_m)
-            cols = slice(pn * epi_n, (pn + 1) * epi_n)
-            # the stores of the piece that last used this slot (each piece's are one group
-            # per copy, and groups finish in the order they were committed)
-            plgpu.wait_smem_to_gmem(len(copies_gmem) * (slots - 1), wait_read_only=True)
-            copy_smem[wg, slot] = copy[rows, cols]
-            plgpu.commit_smem()
-            for copy_gmem in copies_gmem:
-              plgpu.copy_smem_to_gmem(copy_smem.at[wg, slot], copy_gmem.at[tile].at[rows, cols])
+        store_in_pieces(copy, copy_smem, [copy_gmem.at[tile] for copy_gmem in copies_gmem])
       if reduces_columns:
         pl.when(wg == 1)(reduce_lines)
 
