@@ -297,9 +297,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   approximate instructions (ex2.approx, div.approx: within 2^-22 relative). With
   `partial_reductions`, the sums and maxima come as their partial rows (`[R, N]`, `[R,
   N]`, `[R', M]`: one per row or column of warpgroup tiles), for a later launch to
-  reduce. With `defer_tail`, a product whose
-  last wave is split returns a `SplitProduct` for `write_tails` (which finishes several
-  in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
+  reduce. With `defer_tail`, a product whose last wave is split returns a `SplitProduct`
+  for `write_tails` (which finishes several in one launch). With `out_rows` (<= M), the output keeps only its first `out_rows`
   rows (TMA drops the stores past them: an S-row gradient from a product over operands
   padded to whole groups of 8 rows, without a copy). `speculated_copies` (with an
   epilogue, an fp32 output and `copy_scale` [N], fp32) returns that many f16 arrays after
