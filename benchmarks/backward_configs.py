@@ -2,9 +2,10 @@
 
 An engine config measured alone (`benchmarks/engine.py`) misses what its
 product shares with the rest of the backward (the fused epilogue's reductions,
-the L2). This replaces one product's config of one table
-(`backends/mosaic/configs/h200.json`) by each variant, times the whole
-backward on the seed-distribution inputs with CUPTI and a cold L2, and checks
+the L2). This replaces one product's config of one table (this GPU's:
+`backends/mosaic/configs/h200.json`, on an H100 with `h100.json`'s entries over it) by
+each variant, times the whole backward on the seed-distribution inputs with CUPTI and a
+cold L2, and checks
 that every variant's five gradients are bitwise those of the first (a config
 changes how the work is scheduled, never the arithmetic). Writes
 `backward_configs_<device>_<date>.json` into --out.
@@ -63,7 +64,7 @@ def main(argv=None):
   parser.add_argument("--out", default=todays_runs_dir())
   args = parser.parse_args(argv)
 
-  tables = backward_sm90.TABLES
+  tables = backward_sm90.tables_for(jax.devices()[0].device_kind)   # this GPU's
   dtype, precision = INPUTS[args.table]
   mode = precisions.for_inputs(precisions.canonicalize(precision), dtype)
   hidden, intermediate = (int(v) for v in args.size.split("x"))

@@ -43,7 +43,8 @@ def step_fn(step: str, tokens: int):
   """The jitted product of one step, `f(a, b, fc1_output, row_scale, col_scale)`."""
   table, epilogue, options = STEPS[step]
   inputs, out_dtype = TABLES[table]
-  config = backward_sm90.TABLES.config_for(backward_sm90.TABLES.pre_gelu, inputs, tokens)
+  tables = backward_sm90.tables_for(jax.devices()[0].device_kind)   # this GPU's
+  config = tables.config_for(tables.pre_gelu, inputs, tokens)
   if config is backward_sm90.XLA_DOT:
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")

@@ -122,25 +122,54 @@ def test_it_is_preferred_only_where_its_routing_says():
   assert not backend.preferred(_problem(768, jnp.bfloat16, DotMode.BF16), "gpu")
 
 def test_a_gpu_with_a_routing_of_its_own_is_routed_by_it(monkeypatch, tmp_path):
-  """On a GPU whose device kind has a routing file, its pairs of input dtype and mode
+  """On a GPU whose device kind has a config file, its pairs of input dtype and mode
   replace the H200's; the others keep the H200's; another GPU gets the H200's."""
   backend = mosaic.BACKEND
   path = tmp_path / "other.json"
   path.write_text('{"gpu": "%s", "routing": {"float32": {"f16": [[1024, null]]}}}'
                   % jax.devices()[0].device_kind)
-  monkeypatch.setattr(mosaic_backward, "ROUTINGS", mosaic_backward.load_routings([path]))
+  monkeypatch.setattr(mosaic_backward, "GPU_TABLES", mosaic_backward.load_gpu_tables([path]))
   assert backend.preferred(_problem(10 ** 6), "gpu")
   assert not backend.preferred(_problem(512), "gpu")   # the H200 takes it from 293
   assert backend.preferred(_problem(4096, jnp.bfloat16, DotMode.BF16), "gpu")   # kept
   assert backend.preferred(_problem(4096, mode=DotMode.BF16), "gpu")
-  monkeypatch.setattr(mosaic_backward, "ROUTINGS", {"another GPU": {}})
+  monkeypatch.setattr(mosaic_backward, "GPU_TABLES", {"another GPU": mosaic_backward.TABLES})
   assert backend.preferred(_problem(512), "gpu")
-  h100 = mosaic_backward.load_routings()["NVIDIA H100 80GB HBM3"]
+  h100 = mosaic_backward.load_gpu_tables()["NVIDIA H100 80GB HBM3"].routing
   assert h100["bfloat16"]["bf16"] != mosaic_backward.TABLES.routing["bfloat16"]["bf16"]
   assert h100["float32"] == mosaic_backward.TABLES.routing["float32"]
 
 
-ROUTED_FILES = (mosaic_backward.CONFIG_FILE, *mosaic_backward.ROUTING_FILES)
+def test_a_gpu_with_tables_of_its_own_runs_them(monkeypatch, tmp_path):
+  """A GPU file's (inputs, product) entries replace the H200's for that pair alone, and
+  `backward` runs the tables of the GPU it runs on."""
+  path = tmp_path / "other.json"
+  kind = jax.devices()[0].device_kind
+  path.write_text('{"gpu": "%s", "routing": {}, "tables": {"sixteen_bit_inputs": {"pre_gelu": '
+                  '[[2048, {"stages": 5}], [null, {"stages": 3, "chained": true}]]}}}' % kind)
+  h200 = mosaic_backward.TABLES
+  other = mosaic_backward.load_gpu_tables([path])[kind]
+  for tokens, stages in ((1536, 5), (2048, 5), (2049, 3)):
+    pre, rows, weights = other.configs(_problem(tokens, jnp.bfloat16, DotMode.BF16))
+    assert pre.stages == stages and pre.block == (128, 256)
+    assert (rows, weights) == h200.configs(_problem(tokens, jnp.bfloat16, DotMode.BF16))[1:]
+  for mode in (DotMode.F16, DotMode.TF32):   # other inputs keep the H200's entries
+    assert other.configs(_problem(2048, mode=mode)) == h200.configs(_problem(2048, mode=mode))
+  assert other.routing == h200.routing
+  used = []
+
+  def recording_configs(self, problem):
+    used.append(self)
+    raise RuntimeError("recorded")
+  monkeypatch.setattr(mosaic_backward.Tables, "configs", recording_configs)
+  monkeypatch.setattr(mosaic_backward, "GPU_TABLES", {kind: other})
+  inputs = [jnp.ones((8, 64), jnp.bfloat16)] * 8
+  with pytest.raises(RuntimeError, match="recorded"):
+    mosaic_backward.backward(*inputs, problem=_problem(8, jnp.bfloat16, DotMode.BF16))
+  assert used == [other]
+
+
+ROUTED_FILES = (mosaic_backward.CONFIG_FILE, *mosaic_backward.GPU_FILES)
 
 
 def _routing_runs(path):

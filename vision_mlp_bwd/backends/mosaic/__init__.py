@@ -1,8 +1,9 @@
 """The Hopper backend (Pallas Mosaic GPU): its GEMM engine and, built on it, the backward.
 
 First in the registry (`vision_mlp_bwd.backends`, `implementation="mosaic"`);
-the automatic choice takes it where `configs/h200.json`'s routing says so (on an H100,
-`configs/h100.json`'s where it measured otherwise).
+the automatic choice takes it where `configs/h200.json`'s routing says so. On an H100,
+`configs/h100.json`'s routing and table entries replace the H200's where they measured
+otherwise (`backward_sm90.tables_for`).
 """
 
 from __future__ import annotations

@@ -87,9 +87,9 @@ from vision_mlp_bwd.precision import BF16X3_MODES, DotMode, xla_dot_general
 from vision_mlp_bwd.problem import Problem
 
 CONFIG_FILE = pathlib.Path(__file__).parent / "configs" / "h200.json"
-# Other GPUs' routing, measured on them (the tables stay CONFIG_FILE's): each file's
-# pairs of input dtype and mode replace CONFIG_FILE's; the pairs it leaves out keep them.
-ROUTING_FILES = (pathlib.Path(__file__).parent / "configs" / "h100.json",)
+# Other GPUs' files, measured on them: each file's routing pairs (input dtype, mode) and
+# table entries (inputs, product) replace CONFIG_FILE's; what it leaves out keeps them.
+GPU_FILES = (pathlib.Path(__file__).parent / "configs" / "h100.json",)
 # Bands of rows of a scaled copy (`staging.Cast.parts`): each band loads the partial
 # column maxima once, so fewer bands than a reduction's 64 (benchmarks/NOTES.md, 43).
 SCALED_COPY_PARTS = 16
@@ -124,14 +124,24 @@ class Tables:
   routing: dict
 
   @classmethod
-  def load(cls, path=CONFIG_FILE) -> "Tables":
+  def load(cls, path=CONFIG_FILE, base: "Tables | None" = None) -> "Tables":
+    """A config file's tables and routing; with `base`, another GPU's file over `base`:
+    each (inputs, product) entry and each (input dtype, mode) routing pair it lists
+    replaces base's, and what it leaves out keeps base's."""
     document = json.loads(pathlib.Path(path).read_text())
     parse = lambda rows: tuple((bound, XLA_DOT if fields == "xla" else engine.GemmConfig(**{
         k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
         for bound, fields in rows)
-    tables = document["tables"]
-    return cls(*({name: parse(t[product]) for name, t in tables.items() if product in t}
-                  for product in ("pre_gelu", "rows", "weight_grads")), document["routing"])
+    tables = document.get("tables", {})
+    products = []
+    for product in ("pre_gelu", "rows", "weight_grads"):
+      entries = {} if base is None else dict(getattr(base, product))
+      entries.update({name: parse(t[product]) for name, t in tables.items() if product in t})
+      products.append(entries)
+    routing = {} if base is None else {dtype: dict(modes) for dtype, modes in base.routing.items()}
+    for dtype, modes in document["routing"].items():
+      routing.setdefault(dtype, {}).update(modes)
+    return cls(*products, routing)
 
   @staticmethod
   def rows_for(table, inputs: str):
@@ -164,34 +174,36 @@ class Tables:
 TABLES = Tables.load()
 
 
-def load_routings(paths=ROUTING_FILES, base: dict = TABLES.routing) -> dict[str, dict]:
-  """{device kind: routing} for the GPUs of `paths`, each file's routing over `base`'s
-  (a pair of input dtype and mode it lists replaces base's ranges for that pair)."""
-  routings = {}
-  for path in paths:
-    document = json.loads(pathlib.Path(path).read_text())
-    merged = {dtype: dict(modes) for dtype, modes in base.items()}
-    for dtype, modes in document["routing"].items():
-      merged.setdefault(dtype, {}).update(modes)
-    routings[document["gpu"]] = merged
-  return routings
+def load_gpu_tables(paths=GPU_FILES, base: Tables = TABLES) -> dict[str, Tables]:
+  """{device kind: tables} for the GPUs of `paths`, each file over `base` (`Tables.load`)."""
+  return {json.loads(pathlib.Path(path).read_text())["gpu"]: Tables.load(path, base)
+          for path in paths}
 
 
-ROUTINGS = load_routings()
+GPU_TABLES = load_gpu_tables()
+
+
+def tables_for(device_kind: str) -> Tables:
+  """The tables and routing measured on this GPU (`jax.Device.device_kind`), else the
+  H200's."""
+  return GPU_TABLES.get(device_kind, TABLES)
 
 
 def routing_for(device_kind: str) -> dict:
-  """The routing measured on this GPU (`jax.Device.device_kind`), else the H200's."""
-  return ROUTINGS.get(device_kind, TABLES.routing)
+  """Where the automatic choice takes the backend on this GPU (`tables_for`)."""
+  return tables_for(device_kind).routing
 
 
 def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, fc1_output,
-             gelu_output, problem: Problem, tables: Tables = TABLES, interpret: bool = False):
-  """The five gradients for 2-D activations `[S, ·]`, with the engine's products.
+             gelu_output, problem: Problem, tables: Tables | None = None,
+             interpret: bool = False):
+  """The five gradients for 2-D activations `[S, ·]`, with the engine's products, configured
+  by `tables` (by default this GPU's, `tables_for`).
 
   `interpret` runs the staging launches in Pallas interpret mode (the CPU tests', which
   stand jnp in for the engine)."""
   del fc1_bias, fc2_bias   # only their dtypes matter: every gradient is in the input dtype
+  tables = tables or tables_for(jax.devices()[0].device_kind)
   mode, dtype = problem.mode, problem.dtype
   operand = mode.operand_dtype
   if mode in BF16X3_MODES:
