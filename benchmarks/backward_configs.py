@@ -86,7 +86,7 @@ def main(argv=None):
         # The variant replaces the config this S runs (one row for every S).
         config = backward_sm90.Tables.config_for(entries, args.table, tokens)
         try:
-          varied = ((None, _varied(config, fields)),)
+          varied = ((None, variant_config(config, fields)),)
         except ValueError as refused:   # fields that do not combine with this S's row
           print(f"S={tokens} {variant}: {refused}", flush=True)
           continue
@@ -113,7 +113,7 @@ def main(argv=None):
                     grad_output_scale=args.grad_output_scale, rows=rows)
 
 
-def _varied(config, fields):
+def variant_config(config, fields):
   """`fields` over a table row's config; {"xla_dot": true} is XLA's dot instead, `{}` the
   row as it is, and other fields over an XLA_DOT row start from GemmConfig's defaults."""
   if fields.get("xla_dot"):

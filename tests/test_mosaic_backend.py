@@ -223,6 +223,44 @@ def test_routing_holds_to_the_measurements_it_cites(path, dtype, mode, inputs):
     assert lo in measured and hi in measured
 
 
+@pytest.mark.parametrize("path", mosaic_backward.GPU_FILES, ids=lambda p: p.name)
+def test_a_gpu_files_table_entries_hold_to_the_measurements_they_cite(path):
+  """Each (inputs, product) entry of another GPU's file was the fastest variant, on that
+  GPU, at every S of the `backward_configs` runs it cites for that pair (each run's
+  variants are fields over the H200's config at that S), and every row it lists was
+  measured."""
+  import json
+  import pathlib
+  from benchmarks.backward_configs import variant_config
+  repo = pathlib.Path(__file__).resolve().parents[1]
+  document = json.loads(path.read_text())
+  ours = mosaic_backward.load_gpu_tables([path])[document["gpu"]]
+  h200 = mosaic_backward.TABLES
+  for inputs, products in document.get("tables", {}).items():
+    for product in products:
+      runs = [json.loads((repo / r["path"]).read_text())
+              for r in document["provenance"]["results"] if r["path"].endswith(".json")]
+      runs = [run for run in runs if run.get("table") == inputs
+              and run.get("product") == product and run["device"] == document["gpu"]]
+      assert runs, f"{path.name} cites no run of {inputs} {product} on {document['gpu']}"
+      measured = set()
+      for run in runs:
+        for tokens in {row["seq_len"] for row in run["rows"]}:
+          entry = ours.config_for(getattr(ours, product), inputs, tokens)
+          base = h200.config_for(getattr(h200, product), inputs, tokens)
+          times = {}
+          for row in run["rows"]:
+            if row["seq_len"] == tokens:
+              config = variant_config(base, {k: tuple(v) if isinstance(v, list) else v
+                                             for k, v in row["variant"].items()})
+              times[config] = min(row["median_us"], times.get(config, float("inf")))
+          assert entry in times, (inputs, product, tokens, entry)
+          assert times[entry] == min(times.values()), (inputs, product, tokens, times)
+          measured.add(entry)
+      for _, config in getattr(ours, product)[inputs]:
+        assert config in measured, (inputs, product, config)
+
+
 XLA = "xla"
 
 
