@@ -119,10 +119,6 @@ class GemmConfig:
   # Programs that make `matmul`'s side copies instead of computing blocks (the blocks go to
   # the SM count less these): a memory-bound pass run beside the product in its launch.
   copy_programs: int = 0
-  # Registers of a tile's cross-warp reductions (the column sums and maxima: one per 8
-  # columns) reduced per shared-memory round trip, each round two warpgroup barriers:
-  # Pallas's scratch for them takes this many (its default, 2048 bytes, takes 2).
-  reduction_batch: int = 2
 
   @property
   def block(self) -> tuple[int, int]:
@@ -136,8 +132,6 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
-    if self.reduction_batch < 1:
-      raise ValueError(f"GemmConfig.reduction_batch must be >= 1: {self}")
     if self.copy_programs < 0:
       raise ValueError(f"GemmConfig.copy_programs must be >= 0: {self}")
     if self.chained and self.mma_in_flight:
@@ -147,9 +141,7 @@ class GemmConfig:
 
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
-# Pallas's scratch for one register of a cross-warp reduction: a warpgroup's 128 threads'
-# two fp32 values (the wgmma accumulator layout's pairs of columns).
-REDUCTION_REGISTER_BYTES = 128 * 2 * 4
+REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
 COLUMN_SUMS = (None, "stored", "unrounded")
 # Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
@@ -191,7 +183,7 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   if scales:                          # each warpgroup's row and column scales
     buffers += [2 * config.tile_m * 4, 2 * config.tile_n * 4]
   if column_sums or line_maxima:      # the reductions' scratch (one at a time)
-    buffers.append(config.reduction_batch * REDUCTION_REGISTER_BYTES)
+    buffers.append(REDUCTION_SCRATCH_BYTES)
   return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
@@ -435,9 +427,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
       grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx_math,
-          reduction_scratch_bytes=config.reduction_batch * REDUCTION_REGISTER_BYTES),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
+                                           approx_math=approx_math),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
     *(() if copy_scale is None else (copy_scale,)), *(x for x, *_ in side_copies),
