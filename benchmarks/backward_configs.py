@@ -5,10 +5,10 @@ product shares with the rest of the backward (the fused epilogue's reductions,
 the L2). This replaces one product's config of one table (this GPU's:
 `backends/mosaic/configs/h200.json`, on an H100 with `h100.json`'s entries over it) by
 each variant, times the whole backward on the seed-distribution inputs with CUPTI and a
-cold L2, and checks
-that every variant's five gradients are bitwise those of the first (a config
-changes how the work is scheduled, never the arithmetic). Writes
-`backward_configs_<device>_<date>.json` into --out.
+cold L2, and checks that every variant's five gradients are bitwise those of the first (a
+config changes how the work is scheduled, never the arithmetic). Writes
+`backward_configs_<device>_<date>.json` into --out, each row with the variant and the
+whole config it ran (`config`: GemmConfig's fields, or "xla").
 
   python -m benchmarks.backward_configs --table tf32_on_f16 --product pre_gelu \\
       --variants '{}' '{"stages": 3, "epilogue_buffers": 2}' '{"mma_in_flight": 0}'
@@ -80,6 +80,7 @@ def main(argv=None):
     first = None
     for variant in variants:
       fields = {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
+      ran = None
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
       else:
@@ -92,6 +93,7 @@ def main(argv=None):
           continue
         replaced = dataclasses.replace(tables, **{args.product: {**entries, args.table: varied}})
         launch = staging.launch
+        ran = varied[0][1]
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
           *a, problem=problem, tables=t, interpret=interpret))
       try:
@@ -106,11 +108,28 @@ def main(argv=None):
       t = timing.device_times_us(fn, *inputs, warmup=3, iterations=args.iterations)
       rows.append(dict(seq_len=tokens, variant=variant, median_us=t.median_us,
                        kernels=list(zip(t.kernel_names, t.kernel_median_us)),
-                       bitwise_same_as_first=same))
+                       bitwise_same_as_first=same,
+                       **({} if ran is None else dict(config=config_fields(ran)))))
       print(f"S={tokens:6d} {json.dumps(variant):50s} {t.median_us:8.1f} us  largest kernel "
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
                     grad_output_scale=args.grad_output_scale, rows=rows)
+
+
+def config_fields(config):
+  """A product's config as a run file records it: GemmConfig's fields, or "xla"."""
+  return "xla" if config is backward_sm90.XLA_DOT else dataclasses.asdict(config)
+
+
+def recorded_config(row, base):
+  """The config a `backward_configs` row ran: its `config`, or for files written before
+  rows recorded it, its variant over `base` (the table's config at that S then)."""
+  fields = row.get("config", row["variant"])
+  fields = fields if fields == "xla" else {
+      k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+  if "config" not in row:
+    return variant_config(base, fields)
+  return backward_sm90.XLA_DOT if fields == "xla" else engine.GemmConfig(**fields)
 
 
 def variant_config(config, fields):

@@ -92,6 +92,9 @@ def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkey
   assert [config for fused, config in first if fused] == [table]
   assert [config for fused, config in second if fused] == [dataclasses.replace(table, stages=3)]
   assert [c for fused, c in first if not fused] == [c for fused, c in second if not fused]
+  # Each row records the whole config it ran, which reads back as that config.
+  assert [backward_configs.recorded_config(r, None) for r in rows] == [
+      table, dataclasses.replace(table, stages=3)]
 
 
 def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(

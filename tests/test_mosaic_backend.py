@@ -226,12 +226,12 @@ def test_routing_holds_to_the_measurements_it_cites(path, dtype, mode, inputs):
 @pytest.mark.parametrize("path", mosaic_backward.GPU_FILES, ids=lambda p: p.name)
 def test_a_gpu_files_table_entries_hold_to_the_measurements_they_cite(path):
   """Each (inputs, product) entry of another GPU's file was the fastest variant, on that
-  GPU, at every S of the `backward_configs` runs it cites for that pair (each run's
-  variants are fields over the H200's config at that S), and every row it lists was
-  measured."""
+  GPU, at every S of the `backward_configs` runs it cites for that pair (the configs the
+  rows record; in older files, their variants over the H200's config at that S), and
+  every row it lists was measured."""
   import json
   import pathlib
-  from benchmarks.backward_configs import variant_config
+  from benchmarks.backward_configs import recorded_config
   repo = pathlib.Path(__file__).resolve().parents[1]
   document = json.loads(path.read_text())
   ours = mosaic_backward.load_gpu_tables([path])[document["gpu"]]
@@ -251,8 +251,7 @@ def test_a_gpu_files_table_entries_hold_to_the_measurements_they_cite(path):
           times = {}
           for row in run["rows"]:
             if row["seq_len"] == tokens:
-              config = variant_config(base, {k: tuple(v) if isinstance(v, list) else v
-                                             for k, v in row["variant"].items()})
+              config = recorded_config(row, base)
               times[config] = min(row["median_us"], times.get(config, float("inf")))
           assert entry in times, (inputs, product, tokens, entry)
           assert times[entry] == min(times.values()), (inputs, product, tokens, times)
