@@ -65,6 +65,30 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
     assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
 
 
+INPUTS_MODES = {"fp32_inputs": (jnp.float32, DotMode.F16), "tf32_on_f16": (jnp.float32, DotMode.TF32),
+                "sixteen_bit_inputs": (jnp.bfloat16, DotMode.BF16)}
+
+
+@needs_lowering
+@pytest.mark.parametrize("path", mosaic_backward.GPU_FILES, ids=lambda p: p.name)
+def test_each_gpu_files_table_entries_lower_at_full_size(path):
+  """Another GPU's table entries fit an sm_90 block (JAX 0.10.2's Mosaic lowering counts
+  the shared memory): the whole backward lowers with that GPU's tables at S = 7, 2500
+  and 8192 for the inputs each entry serves."""
+  import json
+  document = json.loads(path.read_text())
+  tables = mosaic_backward.load_gpu_tables([path])[document["gpu"]]
+  for inputs in document.get("tables", {}):
+    dtype, mode = INPUTS_MODES[inputs]
+    for tokens in (7, 2500, 8192):
+      shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
+      args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+      problem = _problem(tokens, dtype, mode)
+      text = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables)
+                     ).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text, (inputs, tokens)
+
+
 @needs_lowering
 @pytest.mark.parametrize("tokens", [7, 2500])
 def test_bf16x3_lowers_to_four_xla_dots_over_the_pieces(tokens):
