@@ -79,7 +79,7 @@ def main(argv=None):
     problem = Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
     first = None
     for variant in variants:
-      fields = {k: tuple(v) if isinstance(v, list) else v for k, v in variant.items()}
+      fields = backward_sm90.config_fields(variant)
       ran = None
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
@@ -109,27 +109,25 @@ def main(argv=None):
       rows.append(dict(seq_len=tokens, variant=variant, median_us=t.median_us,
                        kernels=list(zip(t.kernel_names, t.kernel_median_us)),
                        bitwise_same_as_first=same,
-                       **({} if ran is None else dict(config=config_fields(ran)))))
+                       **({} if ran is None else dict(config=recorded_fields(ran)))))
       print(f"S={tokens:6d} {json.dumps(variant):50s} {t.median_us:8.1f} us  largest kernel "
             f"{max(t.kernel_median_us, default=float('nan')):6.1f}  same={same}", flush=True)
   write_result_json(args.out, "backward_configs", table=args.table, product=args.product,
                     grad_output_scale=args.grad_output_scale, rows=rows)
 
 
-def config_fields(config):
-  """A product's config as a run file records it: GemmConfig's fields, or "xla"."""
+def recorded_fields(config):
+  """A product's config as a run file records it (`backward_sm90.parse_product` reads it
+  back): GemmConfig's fields, or "xla"."""
   return "xla" if config is backward_sm90.XLA_DOT else dataclasses.asdict(config)
 
 
 def recorded_config(row, base):
   """The config a `backward_configs` row ran: its `config`, or for files written before
   rows recorded it, its variant over `base` (the table's config at that S then)."""
-  fields = row.get("config", row["variant"])
-  fields = fields if fields == "xla" else {
-      k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
-  if "config" not in row:
-    return variant_config(base, fields)
-  return backward_sm90.XLA_DOT if fields == "xla" else engine.GemmConfig(**fields)
+  if "config" in row:
+    return backward_sm90.parse_product(row["config"])
+  return variant_config(base, backward_sm90.config_fields(row["variant"]))
 
 
 def variant_config(config, fields):

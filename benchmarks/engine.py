@@ -24,7 +24,7 @@ from jax import lax
 
 from benchmarks import cases, timing
 from benchmarks.run import result_stem
-from vision_mlp_bwd.backends.mosaic import engine
+from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
 
 C = engine.GemmConfig
 # name -> (M, K, N as functions of S, H, I; A transposed?)
@@ -75,8 +75,7 @@ def main(argv=None):
   h, i = cases.HIDDEN, cases.INTERMEDIATE
   configs = {label: CONFIGS[label] for label in args.configs}
   for text in args.variants:
-    configs[text] = C(**{k: tuple(v) if isinstance(v, list) else v
-                         for k, v in json.loads(text).items()})
+    configs[text] = C(**backward_sm90.config_fields(json.loads(text)))
   rows = []
   for s in args.seq_lens:
     for name in args.products:

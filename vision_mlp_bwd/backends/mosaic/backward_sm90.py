@@ -110,6 +110,16 @@ XLA_DOT = XlaDot()
 Product = engine.GemmConfig | XlaDot
 
 
+def config_fields(fields: dict) -> dict:
+  """GemmConfig fields as JSON gives them, its lists made tuples."""
+  return {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+
+
+def parse_product(fields) -> Product:
+  """A product's config as the config files write it: "xla", or GemmConfig's fields."""
+  return XLA_DOT if fields == "xla" else engine.GemmConfig(**config_fields(fields))
+
+
 @dataclasses.dataclass(frozen=True)
 class Tables:
   """How each product runs, by S: (largest S or None, GemmConfig or XLA_DOT) rows.
@@ -129,9 +139,7 @@ class Tables:
     each (inputs, product) entry and each (input dtype, mode) routing pair it lists
     replaces base's, and what it leaves out keeps base's."""
     document = json.loads(pathlib.Path(path).read_text())
-    parse = lambda rows: tuple((bound, XLA_DOT if fields == "xla" else engine.GemmConfig(**{
-        k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}))
-        for bound, fields in rows)
+    parse = lambda rows: tuple((bound, parse_product(fields)) for bound, fields in rows)
     tables = document.get("tables", {})
     products = []
     for product in ("pre_gelu", "rows", "weight_grads"):
