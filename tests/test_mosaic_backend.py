@@ -34,6 +34,12 @@ def _problem(tokens, dtype=jnp.float32, mode=DotMode.F16, hidden=H, intermediate
   return Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
 
 
+def _abstract_inputs(tokens, dtype):
+  """The backward's eight inputs at full size, as shapes for tracing and lowering."""
+  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
+  return [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+
+
 # Every input and mode at S=2500 (ragged blocks); S=7 (padded rows) and 8192 (the tables'
 # configs above S=4096) once per table: fp32_inputs, sixteen_bit_inputs, tf32_on_f16.
 TABLE_MODES = [(jnp.float32, DotMode.F16), (jnp.bfloat16, DotMode.BF16),
@@ -48,8 +54,7 @@ LOWERING_CASES = [*((2500, *m) for m in MODES),
 @pytest.mark.parametrize("tokens, dtype, mode", LOWERING_CASES,
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode):
-  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
-  args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+  args = _abstract_inputs(tokens, dtype)
   problem = _problem(tokens, dtype, mode)
   lowered = jax.jit(lambda *a: mosaic.backward(*a, problem=problem)).trace(*args).lower(
       lowering_platforms=("cuda",))
@@ -81,8 +86,7 @@ def test_each_gpu_files_table_entries_lower_at_full_size(path):
   for inputs in document.get("tables", {}):
     dtype, mode = INPUTS_MODES[inputs]
     for tokens in (7, 2500, 8192):
-      shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
-      args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+      args = _abstract_inputs(tokens, dtype)
       problem = _problem(tokens, dtype, mode)
       text = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables)
                      ).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -94,8 +98,7 @@ def test_each_gpu_files_table_entries_lower_at_full_size(path):
 def test_bf16x3_lowers_to_four_xla_dots_over_the_pieces(tokens):
   """HIGHEST at full size: the staging launches (Pallas-Triton, lowered for CUDA) and four
   XLA dots of bf16 pieces with K three times as long, nothing else multiplying."""
-  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
-  args = [jax.ShapeDtypeStruct(shape, jnp.float32) for shape in shapes]
+  args = _abstract_inputs(tokens, jnp.float32)
   problem = _problem(tokens, jnp.float32, DotMode.HIGHEST)
   lowered = jax.jit(lambda *a: mosaic.backward(*a, problem=problem)).trace(*args).lower(
       lowering_platforms=("cuda",))
@@ -114,8 +117,7 @@ def test_the_backward_closes_over_no_constants(dtype, mode):
   """The sharding layer wraps the backward in `custom_partitioning`, which refuses a traced
   function with closed-over constants (JAX 0.11 makes them of arrays built from no input)."""
   tokens = 65
-  shapes = [(tokens, H), (tokens, H), (I, H), (I,), (H, I), (H,), (tokens, I), (tokens, I)]
-  args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+  args = _abstract_inputs(tokens, dtype)
   problem = _problem(tokens, dtype, mode)
   assert not jax.make_jaxpr(lambda *a: mosaic.backward(*a, problem=problem))(*args).consts
 
