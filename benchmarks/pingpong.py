@@ -266,6 +266,8 @@ def main(argv=None):
   parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
   parser.add_argument("--extra", nargs="*", default=[],
                       help="more variants, as JSON objects of pingpong_matmul options")
+  parser.add_argument("--rows-product", action="store_true",
+                      help="also time grad_pre @ fc1_weight (S x I x H), plain, against cuBLAS")
   parser.add_argument("--iterations", type=int, default=30)
   parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
@@ -273,7 +275,7 @@ def main(argv=None):
   variants.update({text: json.loads(text) for text in args.extra})
   rows = []
   for tokens in args.seq_lens:
-    grad_output, _, _, _, fc2_weight, _, fc1_output, _ = cases.make_inputs(
+    grad_output, _, fc1_weight, _, fc2_weight, _, fc1_output, _ = cases.make_inputs(
         jax.random.key(tokens), tokens, cases.HIDDEN, cases.INTERMEDIATE)
     a, b, x = grad_output.astype(jnp.float16), fc2_weight.astype(jnp.float16), fc1_output
     product, product_bound = reference_and_bound(a, b, False)
@@ -322,6 +324,24 @@ def main(argv=None):
             f"{row[label + ': within bound']}, deterministic {row[label + ': deterministic']}",
             flush=True)
     rows.append(row)
+    if args.rows_product:   # the input gradient's shape, plain: a stand-in grad_pre [S, I]
+      a, b = fc1_output.astype(jnp.float16), fc1_weight.astype(jnp.float16)
+      product, product_bound = reference_and_bound(a, b, False)
+      row = dict(seq_len=tokens, product="grad_pre @ fc1_weight")
+      fns = {"cuBLAS": jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))}
+      fns.update({f"pingpong {name}, plain": jax.jit(functools.partial(
+          pingpong_matmul, **dict(options, out_dtype=jnp.float32)))
+          for name, options in variants.items()})
+      for label, fn in fns.items():
+        out, again = fn(a, b), fn(a, b)
+        row[label + ": within bound"] = bool(jnp.all(jnp.abs(out - product) <= product_bound))
+        row[label + ": deterministic"] = bool(jnp.all(out == again))
+        row[label] = timing.device_times_us(fn, a, b, warmup=5,
+                                            iterations=args.iterations).median_us
+        print(f"S={tokens} grad_pre @ fc1_weight {label}: {row[label]:.1f} us, within bound "
+              f"{row[label + ': within bound']}, deterministic "
+              f"{row[label + ': deterministic']}", flush=True)
+      rows.append(row)
   write_result_json(args.out, "pingpong", rows=rows)
 
 
