@@ -123,15 +123,23 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
 
 
+FUSED_CONFIGS = {
+    "cooperative, chained": engine.GemmConfig(tile_n=64, stages=4, epilogue_tile=(64, 64),
+                                              epilogue_buffers=1, chained=True,
+                                              copy_programs=20),
+    "ping-pong": engine.GemmConfig(tile_n=128, stages=5, epilogue_tile=(64, 64),
+                                   epilogue_buffers=1, ping_pong=True, copy_programs=20)}
+
+
 @needs_lowering
+@pytest.mark.parametrize("config", FUSED_CONFIGS)
 @pytest.mark.parametrize("tokens", [293, 4096])
-def test_the_fused_product_with_side_copies_lowers_at_full_size(tokens):
+def test_the_fused_product_with_side_copies_lowers_at_full_size(tokens, config):
   """The backward's fused product with copy programs (the tables' at S=293 and 4096):
   its blocks on 132 - copy_programs programs, and hidden_state, gelu_output (padded to
   whole groups of 8 rows) and fc1_weight copied to f16 by the rest, in one launch."""
   rows = -(-tokens // 8) * 8
-  config = engine.GemmConfig(tile_n=64, stages=4, epilogue_tile=(64, 64), epilogue_buffers=1,
-                             chained=True, copy_programs=20)
+  config = FUSED_CONFIGS[config]
   shapes = dict(a=((rows, 1280), jnp.float16), b=((1280, 3584), jnp.float16),
                 x=((tokens, 3584), jnp.float32), h=((tokens, 1280), jnp.float32),
                 w1=((3584, 1280), jnp.float32))
@@ -145,6 +153,8 @@ def test_the_fused_product_with_side_copies_lowers_at_full_size(tokens):
   lowered = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
   assert [(o.shape, o.dtype) for o in lowered.out_info[1]] == [
       ((rows, 1280), jnp.float16), ((rows, 3584), jnp.float16), ((3584, 1280), jnp.float16)]
+  assert [(o.shape, o.dtype) for o in lowered.out_info[0]] == [
+      ((rows, 3584), jnp.float16), ((-(-rows // 128), 3584), jnp.float32)]
   assert lowered.as_text().count("mosaic_gpu") >= 1
 
 

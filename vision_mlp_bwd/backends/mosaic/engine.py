@@ -86,7 +86,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends import staging
-from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles
+from vision_mlp_bwd.backends.mosaic.tiles import ROW_MULTIPLE, SWIZZLE, swizzled_tiles
 from vision_mlp_bwd.backends.shared import sum_in_order
 from vision_mlp_bwd.precision import finite_abs, scaled_f16_operand
 
@@ -119,10 +119,19 @@ class GemmConfig:
   # Programs that make `matmul`'s side copies instead of computing blocks (the blocks go to
   # the SM count less these): a memory-bound pass run beside the product in its launch.
   copy_programs: int = 0
+  # Ping-pong compute warpgroups (`_ping_pong_program`): each block is one warpgroup's
+  # whole `tile_m x tile_n` tile, the blocks alternate between the two, and one ring
+  # feeds them in block order, so one's epilogue runs under the other's MMAs. Its
+  # epilogue goes by `epilogue_tile` pieces, `epilogue_buffers` of the fused operand's
+  # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
+  # flight (`split`, `mma_in_flight` and `chained` do not apply).
+  ping_pong: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
     """(rows, columns) of the output block one program computes at a time."""
+    if self.ping_pong:
+      return self.tile_m, self.tile_n
     return (self.tile_m * (2 if self.split == "m" else 1),
             self.tile_n * (2 if self.split == "n" else 1))
 
@@ -137,12 +146,17 @@ class GemmConfig:
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
+    if self.ping_pong and (self.chained or self.tail_splits > 1 or self.tile_k != 64):
+      raise ValueError(f"GemmConfig.ping_pong runs whole blocks through one ring of 64-deep "
+                       f"steps: chained=False, tail_splits=1, tile_k=64: {self}")
 
 
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
+# A ping-pong program's registers per thread, memory and compute warpgroups (65536 per SM)
+PING_PONG_REGISTERS = (40, 232)
 COLUMN_SUMS = (None, "stored", "unrounded")
 # Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
 # in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
@@ -172,8 +186,9 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers.append(2 * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize)
   if split_tail and _partials_need_own_buffer(out_dtype):   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
-  if epilogue_dtype is not None:      # the fused epilogue's operand tiles
-    buffers.append(2 * config.tile_m * config.tile_n * jnp.dtype(epilogue_dtype).itemsize)
+  if epilogue_dtype is not None:      # the fused epilogue's operand tiles, or pieces
+    buffers.append(2 * (slots * epi_m * epi_n if config.ping_pong else
+                        config.tile_m * config.tile_n) * jnp.dtype(epilogue_dtype).itemsize)
   if column_sums:                     # one row of sums per warpgroup
     buffers.append(2 * config.tile_n * 4)
   if line_maxima:                     # each warpgroup's column and row maxima
@@ -363,6 +378,14 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if epilogue is not None and config.tail_splits > 1:
     raise ValueError(f"matmul: a fused epilogue runs whole blocks only; {config} splits the "
                      "last wave (tail_splits must be 1).")
+  if config.ping_pong and (transpose_a or row_scale is not None or line_maxima
+                           or speculated_copies or out_dtype is None
+                           or n % config.epilogue_tile[1]):
+    raise ValueError(f"matmul: GemmConfig.ping_pong computes op(a) = a (transpose_a="
+                     f"{transpose_a}) into an output (out_dtype={out_name}), its epilogue "
+                     f"with column sums at most (no scales, line_maxima or "
+                     f"speculated_copies), N = {n} a multiple of the epilogue pieces' "
+                     f"{config.epilogue_tile[1]} columns.")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
         epilogue_operand.shape[0] > m):
@@ -411,8 +434,10 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
-  if column_sums:   # one row per row of warpgroup tiles
-    out_types.append(jax.ShapeDtypeStruct((sum_rows, n), jnp.float32))
+  if column_sums:   # one row per row of warpgroup tiles (ping-pong: in pieces)
+    out_types.append(jax.ShapeDtypeStruct(
+        (sum_rows, n // config.epilogue_tile[1], config.epilogue_tile[1]) if config.ping_pong
+        else (sum_rows, n), jnp.float32))
   if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
     out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
                   jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
@@ -433,6 +458,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
     *(() if copy_scale is None else (copy_scale,)), *(x for x, *_ in side_copies),
     *(side_copies[i][2] for i in scaled_copies))
+  if column_sums and config.ping_pong:   # the sums after the output
+    outs = (outs[0], outs[1].reshape(sum_rows, n), *outs[2:])
   if side_copies:
     first = len(outs) - len(side_copies) - len(scaled_copies)
     copies = list(outs[first:first + len(side_copies)])
@@ -521,11 +548,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if side_copies:
     _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs,
                 scales=scales, maxima=maxima)
-  _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
-                   copy_scale_gmem, *refs, config=config, transpose_a=transpose_a, plan=plan,
-                   epilogue=epilogue, column_sums=column_sums, scaled=scaled,
-                   line_maxima=line_maxima, speculated_copies=speculated_copies,
-                   stores_out=stores_out)
+  if config.ping_pong:
+    _ping_pong_program(a_gmem, b_gmem, operand_gmem, *refs, config=config, plan=plan,
+                       epilogue=epilogue, column_sums=column_sums)
+  else:
+    _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
+                     copy_scale_gmem, *refs, config=config, transpose_a=transpose_a,
+                     plan=plan, epilogue=epilogue, column_sums=column_sums, scaled=scaled,
+                     line_maxima=line_maxima, speculated_copies=speculated_copies,
+                     stores_out=stores_out)
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
@@ -707,16 +738,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       if reduces_columns:
         pl.when(wg == 1)(reduce_lines)
 
-    whole_rows = plan.whole // grid_n   # full block rows, then the rest of the whole blocks
-
-    def whole_block(index):
-      """(block row, block column) of the index-th whole block: planar snake over the full
-      block rows, then row-major."""
-      in_rows = index < whole_rows * grid_n
-      bm, bn = plgpu.planar_snake(index, (max(whole_rows, 1), grid_n),
-                                  0 if config.grid_minor == "m" else 1, config.grid_tile_width)
-      return (lax.select(in_rows, bm, jnp.int32(whole_rows)),
-              lax.select(in_rows, bn, index - whole_rows * grid_n))
+    whole_block = functools.partial(_whole_block, plan=plan, config=config)
 
     def tail_part(part):
       """(block row, block column, first contraction step) of the part-th tail K-part."""
@@ -796,6 +818,168 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       @pl.when(wg == 0)
       def _last_turn():   # warpgroup 1's last arrival: every barrier phase is waited on
         plgpu.barrier_wait(reduction_turn.at[0])
+
+
+def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *,
+                       config: GemmConfig, plan: Schedule, epilogue: Callable | None,
+                       column_sums: str | None):
+  """One program's blocks of a ping-pong product (`GemmConfig.ping_pong`), as CUTLASS's
+  ping-pong kernels run them: the memory warpgroup streams the program's blocks in order
+  through one ring (block j's steps, then block j + 1's), and block j is compute
+  warpgroup j mod 2's. Each ring slot has a "full" barrier per compute warpgroup (each
+  waits only on its own) and one "consumed" barrier, which the memory warpgroup waits
+  on before it refills the slot. The epilogue reads the fused operand and stores the
+  output in `epilogue_tile` pieces; the column sums add a column's pieces in registers,
+  then reduce across warps, the warpgroups taking turns at Pallas's one reduction
+  scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`)."""
+  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+  epi_m, epi_n = config.epilogue_tile
+  # column pieces outermost: a column's pieces follow each other, for its sums
+  pieces = [(pm, pn) for pn in range(tile_n // epi_n) for pm in range(tile_m // epi_m)]
+  slots = min(config.epilogue_buffers, len(pieces))
+  ring, k_steps = min(config.stages, plan.k_steps), plan.k_steps
+  program = lax.axis_index("program")
+  here = _count_here(plan.whole, program, plan.programs)
+
+  def origin(local):
+    bm, bn = _whole_block(program + local * plan.programs, plan, config)
+    return bm * tile_m, bn * tile_n
+
+  tile_rows = lambda ref: ROW_MULTIPLE if ref.shape[0] % ROW_MULTIPLE == 0 else 1
+  scratch = dict(
+      a_smem=plgpu.SMEM((ring, tile_m, tile_k), dtype, transforms=swizzled_tiles(dtype)),
+      b_smem=plgpu.SMEM((ring, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
+      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
+                          transforms=swizzled_tiles(out_dtype, tile_rows(out_gmem))),
+      a_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
+      b_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
+      consumed=plgpu.Barrier(num_arrivals=1, num_barriers=ring))
+  if epilogue is not None:
+    scratch.update(
+        operand_smem=plgpu.SMEM((2, slots, epi_m, epi_n), operand_gmem.dtype,
+                                transforms=swizzled_tiles(operand_gmem.dtype,
+                                                          tile_rows(operand_gmem))),
+        operand_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots))
+  if column_sums:   # turn[w]: warpgroup w may reduce across its warps
+    scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
+                   turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+
+  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
+  def _scope(a_smem, b_smem, out_smem, a_full, b_full, consumed, operand_smem=None,
+             operand_full=None, sums_smem=None, turn=None):
+    wg = lax.axis_index("wg")
+
+    @pl.when(wg == 2)
+    def _memory():
+      plgpu.set_max_registers(PING_PONG_REGISTERS[0], action="decrease")
+
+      @pl.loop(0, here * k_steps)
+      def _step(g):
+        local = lax.div(g, k_steps)
+        kk, owner, slot = g - local * k_steps, lax.rem(local, 2), lax.rem(g, ring)
+        row0, col0 = origin(local)
+
+        @pl.when(g >= ring)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), pl.ds(kk * tile_k, tile_k)],
+                                a_smem.at[slot], a_full.at[owner * ring + slot])
+        plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(col0, tile_n)],
+                                b_smem.at[slot], b_full.at[owner * ring + slot])
+
+      @pl.loop(jnp.maximum(here * k_steps - ring, 0), here * k_steps)
+      def _drain(g):   # every phase of `consumed` is waited on
+        plgpu.barrier_wait(consumed.at[lax.rem(g, ring)])
+
+    if column_sums:
+      @pl.when((wg == 1) & (here > 0))
+      def _first_turn():   # warpgroup 0 reduces first
+        plgpu.barrier_arrive(turn.at[0])
+
+    @pl.when(wg < 2)
+    def _compute():
+      plgpu.set_max_registers(PING_PONG_REGISTERS[1], action="increase")
+
+      @pl.loop(0, lax.div(here - wg + 1, 2))   # blocks wg, wg + 2, ... of `here`
+      def _block(i):
+        local = 2 * i + wg
+        row0, col0 = origin(local)
+
+        def load_operand(p):
+          pm, pn = pieces[p]
+          plgpu.copy_gmem_to_smem(
+              operand_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)],
+              operand_smem.at[wg, p % slots], operand_full.at[wg * slots + p % slots])
+
+        if epilogue is not None:   # the first pieces arrive during the MMAs
+          for p in range(slots):
+            load_operand(p)
+
+        def accumulate(acc_ref):
+          def step(kk, carry):
+            g = local * k_steps + kk
+            slot = lax.rem(g, ring)
+            plgpu.barrier_wait(a_full.at[wg * ring + slot])
+            plgpu.barrier_wait(b_full.at[wg * ring + slot])
+            plgpu.wgmma(acc_ref, a_smem.at[slot], b_smem.at[slot])
+            plgpu.wgmma_wait(1)   # the step before is done: its slot is free
+
+            @pl.when(kk > 0)
+            def _():
+              plgpu.barrier_arrive(consumed.at[lax.rem(g - 1, ring)])
+            return carry
+          lax.fori_loop(0, k_steps, step, None)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(consumed.at[lax.rem(local * k_steps + k_steps - 1, ring)])
+          return acc_ref[...]
+        acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+        running = None
+        for p, (pm, pn) in enumerate(pieces):
+          rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
+          value = acc[rows, cols]
+          if epilogue is not None:
+            plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
+            value = epilogue(value, operand_smem[wg, p % slots].astype(jnp.float32))
+          stored = value.astype(out_dtype)
+          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+          out_smem[wg, p % slots] = stored
+          plgpu.commit_smem()   # (a warpgroup barrier: every thread has read its operand)
+          plgpu.copy_smem_to_gmem(
+              out_smem.at[wg, p % slots],
+              out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
+          if epilogue is not None and p + slots < len(pieces):
+            load_operand(p + slots)
+          if column_sums:
+            term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
+            running = term if pm == 0 else running + term
+            if pm == tile_m // epi_m - 1:   # the column's last piece: across warps
+              if pn == 0:
+                plgpu.barrier_wait(turn.at[wg])
+              sums_smem[wg, pn] = jnp.sum(running, axis=0)
+        if column_sums:
+          @pl.when(local + 1 < here)
+          def _():
+            plgpu.barrier_arrive(turn.at[1 - wg])
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              sums_smem.at[wg],
+              sums_gmem.at[lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)])
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's sums
+      plgpu.wait_smem_to_gmem(0)
+
+
+def _whole_block(index, plan: Schedule, config: GemmConfig):
+  """(block row, block column) of the index-th whole block: planar snake over the full
+  block rows, then row-major over the rest of the whole blocks."""
+  grid_n = plan.grid_mn[1]
+  whole_rows = plan.whole // grid_n
+  in_rows = index < whole_rows * grid_n
+  bm, bn = plgpu.planar_snake(index, (max(whole_rows, 1), grid_n),
+                              0 if config.grid_minor == "m" else 1, config.grid_tile_width)
+  return (lax.select(in_rows, bm, jnp.int32(whole_rows)),
+          lax.select(in_rows, bn, index - whole_rows * grid_n))
 
 
 def _count_here(count: int, first, stride: int):
