@@ -49,6 +49,12 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
     "GELU epilogue, bf16 operand": (128, 128, 256, C(tile_n=64, stages=2,
                                                      epilogue_tile=(64, 64)), 2, jnp.bfloat16,
                                     jnp.bfloat16),
+    # ping-pong: 3 blocks per program (2 on warpgroup 0, 1 on warpgroup 1), a ring that wraps
+    # within a block and across blocks
+    "ping-pong, two output pieces in flight": (384, 192, 256, C(ping_pong=True, stages=2), 2,
+                                               jnp.float32, None),
+    "ping-pong, GELU epilogue, fp32 operand": (384, 192, 256, C(
+        ping_pong=True, stages=2, epilogue_buffers=1), 2, jnp.bfloat16, jnp.float32),
 }
 
 
@@ -101,6 +107,10 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
                   "unrounded", jnp.bfloat16, jnp.bfloat16),
     "stored": (256, 128, 256, 3, C(tile_n=64, stages=2, epilogue_tile=(64, 64)), "stored",
                jnp.bfloat16, jnp.bfloat16),
+    "ping-pong, unrounded": (384, 128, 256, 2, C(ping_pong=True, stages=3, epilogue_buffers=1),
+                             "unrounded", jnp.float32, jnp.bfloat16),
+    "ping-pong, stored": (384, 128, 256, 4, C(ping_pong=True, stages=3), "stored",
+                          jnp.bfloat16, jnp.bfloat16),
 }
 
 
@@ -108,10 +118,12 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
 @pytest.mark.parametrize("case", EPILOGUE_REDUCTIONS)
 def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   """The fused epilogue's column sums, the two compute warpgroups taking turns: over 2 x 2
-  blocks on 3 programs (so one program runs two blocks). "unrounded" sums the fp32
+  blocks on 3 programs (so one program runs two blocks); ping-pong over 3 x 2 blocks on 2
+  programs (each warpgroup's blocks in turn) and on 4 (1 or 2 blocks a program: warpgroup
+  1 idle in some). "unrounded" sums the fp32
   values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
   the bf16 values stored, within fp32 summation of M terms of the stored output itself.
-  With "unrounded", also the line maxima: the largest |fp32 value| of each column and row
+  With "unrounded" (not ping-pong), also the line maxima: the largest |fp32 value| of each column and row
   is within the largest element bound of that line of the float64 maximum (a maximum
   moves by at most its elements' largest error)."""
   m, k, n, programs, config, column_sums, operand_dtype, out_dtype = EPILOGUE_REDUCTIONS[case]
@@ -119,7 +131,7 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
   x = jax.random.normal(keys[2], (m, n), operand_dtype) * 3
-  maxima = column_sums == "unrounded"
+  maxima = column_sums == "unrounded" and not config.ping_pong
   out, sums, *line_max = engine.matmul(
       a, b, config=config, num_programs=programs,
       out_dtype=out_dtype, epilogue=reference.gelu_backward, epilogue_operand=x,

@@ -19,6 +19,13 @@ How it runs (the design of jax's `hopper_matmul_mgpu` example):
   while the stores drain; with `chained`, a program's block pipelines form
   one chain, so the memory warpgroup never waits for a block to finish.
 
+Ping-pong (`GemmConfig.ping_pong`): each block is instead one compute warpgroup's
+whole tile, the blocks alternate between the two warpgroups, and one ring feeds
+them in block order, so one warpgroup's epilogue runs while the other's MMAs do
+(CUTLASS's ping-pong kernels; `_ping_pong_program`). It needs several blocks per
+program to pay: the fused pre-GELU product takes it above S=3072 (benchmarks/
+NOTES.md, 63).
+
 The last wave: a persistent grid of P programs over T output blocks leaves
 T mod P blocks for a last, partly idle wave (the weight gradients at
 H=1280, I=3584 have 140 blocks of 128x256 on 132 SMs: 8 blocks, a second
