@@ -123,6 +123,10 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.GemmConfig(ping_pong=True, chained=True)
   with pytest.raises(ValueError, match="ping_pong runs whole blocks through one ring"):
     engine.GemmConfig(ping_pong=True, tail_splits=2)
+  with pytest.raises(ValueError, match="pieces of whole 64-row groups"):
+    engine.GemmConfig(ping_pong=True, epilogue_tile=(32, 64))
+  with pytest.raises(ValueError, match="pieces of whole 64-row groups"):
+    engine.GemmConfig(ping_pong=True, tile_n=96, epilogue_tile=(64, 64))
   ping_pong = engine.GemmConfig(ping_pong=True, stages=2)
   with pytest.raises(ValueError, match=r"ping_pong computes op\(a\) = a \(transpose_a=True\)"):
     engine.matmul(jax.ShapeDtypeStruct((128, 64), jnp.float16), b16, transpose_a=True,

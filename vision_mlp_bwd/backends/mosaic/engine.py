@@ -156,6 +156,10 @@ class GemmConfig:
     if self.ping_pong and (self.chained or self.tail_splits > 1 or self.tile_k != 64):
       raise ValueError(f"GemmConfig.ping_pong runs whole blocks through one ring of 64-deep "
                        f"steps: chained=False, tail_splits=1, tile_k=64: {self}")
+    epi_m, epi_n = self.epilogue_tile
+    if self.ping_pong and (epi_m % 64 or self.tile_m % epi_m or self.tile_n % epi_n):
+      raise ValueError(f"GemmConfig.ping_pong cuts its tile into epilogue_tile pieces of whole "
+                       f"64-row groups (wgmma's accumulator layout) that divide it: {self}")
 
 
 SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
