@@ -93,7 +93,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from vision_mlp_bwd.backends import staging
-from vision_mlp_bwd.backends.mosaic.tiles import ROW_MULTIPLE, SWIZZLE, swizzled_tiles
+from vision_mlp_bwd.backends.mosaic.tiles import SWIZZLE, swizzled_tiles, tma_tile_rows
 from vision_mlp_bwd.backends.shared import sum_in_order
 from vision_mlp_bwd.precision import finite_abs, scaled_f16_operand
 
@@ -166,8 +166,9 @@ SHARED_MEMORY_BYTES = 227 * 1024   # an sm_90 block's opt-in maximum
 BARRIER_SLACK_BYTES = 1024         # the pipeline's mbarriers and alignment
 REDUCTION_SCRATCH_BYTES = 128 * 4 * 4   # Pallas's scratch for a reduction across warps
 SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buffer
-# A ping-pong program's registers per thread, memory and compute warpgroups (65536 per SM)
-PING_PONG_REGISTERS = (40, 232)
+# Registers per thread (65536 per SM): the memory warpgroup's, and a ping-pong program's
+# compute warpgroups' (the cooperative pipeline gives its compute warpgroups the rest)
+MEMORY_REGISTERS, PING_PONG_COMPUTE_REGISTERS = 40, 232
 COLUMN_SUMS = (None, "stored", "unrounded")
 # Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
 # in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
@@ -599,13 +600,13 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
   epilogue_smem = lambda dtype, buffers, width, rows=8: plgpu.SMEM(
       (2, buffers, epi_m, width), dtype, transforms=swizzled_tiles(dtype, rows))
   out_rows = (out_gmem if stores_out else copies_gmem[0]).shape[0]
-  out_tile_rows = 8 if out_rows % 8 == 0 else 1   # TMA reaches a ragged output
+  out_tile_rows = tma_tile_rows(out_rows)   # TMA reaches a ragged output
   extra_smem = (dict(partial_smem=epilogue_smem(partial_dtype, 1, max(epi_n, 32)))
                 if separate_partial_smem else {})
   if stores_out:
     extra_smem.update(out_smem=epilogue_smem(out_dtype, slots, epi_n, out_tile_rows))
   if epilogue is not None:
-    operand_rows = 8 if operand_gmem.shape[0] % 8 == 0 else 1
+    operand_rows = tma_tile_rows(operand_gmem.shape[0])
     extra_smem.update(
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
@@ -639,7 +640,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
 
   def pipeline(body, compute_context, steps, state=None):
     return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(steps,), memory_registers=40, in_specs=[a_spec, b_spec],
+        body, grid=(steps,), memory_registers=MEMORY_REGISTERS, in_specs=[a_spec, b_spec],
         wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=plan.ring,
         compute_context=compute_context, pipeline_state=state)
 
@@ -857,20 +858,19 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
     bm, bn = _whole_block(program + local * plan.programs, plan, config)
     return bm * tile_m, bn * tile_n
 
-  tile_rows = lambda ref: ROW_MULTIPLE if ref.shape[0] % ROW_MULTIPLE == 0 else 1
   scratch = dict(
       a_smem=plgpu.SMEM((ring, tile_m, tile_k), dtype, transforms=swizzled_tiles(dtype)),
       b_smem=plgpu.SMEM((ring, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
       out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
-                          transforms=swizzled_tiles(out_dtype, tile_rows(out_gmem))),
+                          transforms=swizzled_tiles(out_dtype, tma_tile_rows(out_gmem.shape[0]))),
       a_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       b_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=ring))
   if epilogue is not None:
     scratch.update(
         operand_smem=plgpu.SMEM((2, slots, epi_m, epi_n), operand_gmem.dtype,
-                                transforms=swizzled_tiles(operand_gmem.dtype,
-                                                          tile_rows(operand_gmem))),
+                                transforms=swizzled_tiles(
+                                    operand_gmem.dtype, tma_tile_rows(operand_gmem.shape[0]))),
         operand_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots))
   if column_sums:   # turn[w]: warpgroup w may reduce across its warps
     scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
@@ -883,7 +883,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
 
     @pl.when(wg == 2)
     def _memory():
-      plgpu.set_max_registers(PING_PONG_REGISTERS[0], action="decrease")
+      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
       @pl.loop(0, here * k_steps)
       def _step(g):
@@ -910,7 +910,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
 
     @pl.when(wg < 2)
     def _compute():
-      plgpu.set_max_registers(PING_PONG_REGISTERS[1], action="increase")
+      plgpu.set_max_registers(PING_PONG_COMPUTE_REGISTERS, action="increase")
 
       @pl.loop(0, lax.div(here - wg + 1, 2))   # blocks wg, wg + 2, ... of `here`
       def _block(i):

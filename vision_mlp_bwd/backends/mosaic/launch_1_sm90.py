@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from vision_mlp_bwd.backends.mosaic.tiles import ROW_MULTIPLE, padded_rows, swizzled_tiles
+from vision_mlp_bwd.backends.mosaic.tiles import (ROW_MULTIPLE, padded_rows, swizzled_tiles,
+                                                   tma_tile_rows)
 from vision_mlp_bwd.backends.shared import out_struct
 from vision_mlp_bwd.problem import Problem
 from vision_mlp_bwd.reference import gelu_tanh_grad
@@ -158,7 +159,7 @@ def launch_1(grad_output16, fc2_weight, fc1_output, gelu_output16, *, stages=Non
   default_tile, default_stages = pre_tiling(s)
   pm, pn, pk = pre_tile or default_tile
   stages = stages or default_stages
-  rows_per_tile = ROW_MULTIPLE if s % ROW_MULTIPLE == 0 else 1   # of fc1_output's, the output's
+  rows_per_tile = tma_tile_rows(s)   # of fc1_output's, the output's
   wm, wn, _ = WEIGHT_GRAD_TILE
   gm = pl.cdiv(s, pm)
   n_pre = gm * pl.cdiv(i, pn)

@@ -15,6 +15,12 @@ def padded_rows(tokens: int) -> int:
   return pl.cdiv(tokens, ROW_MULTIPLE) * ROW_MULTIPLE
 
 
+def tma_tile_rows(rows: int) -> int:
+  """Rows of a shared-memory tile layout (`swizzled_tiles`) through which TMA reaches an
+  array of `rows` rows: 8, or 1 where the rows are not a whole number of groups of 8."""
+  return ROW_MULTIPLE if rows % ROW_MULTIPLE == 0 else 1
+
+
 def swizzled_tiles(dtype, rows=ROW_MULTIPLE, swizzle=SWIZZLE):
   """A swizzled shared-memory tile layout: `rows` x one `swizzle`-byte row of `dtype`.
 
