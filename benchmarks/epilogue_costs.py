@@ -5,20 +5,29 @@ Times `grad_output @ fc2_weight` alone on the engine (f16 operands in HBM, the
 epilogue built up one piece at a time, each step in the config the backward's
 table uses for it: the plain product, then the operand read (`acc * x`), the GELU
 derivative, the bias sums, the line maxima and the TF32 unscaling. The
-difference between two rows is what that piece costs the kernel. CUPTI device
-time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
+difference between two rows is what that piece costs the kernel. With `--variants`
+(JSON objects of GemmConfig fields over the table's config, as in
+`benchmarks/backward_configs.py`), every step runs in each variant's config. CUPTI
+device time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
+With `--profile-calls N` nothing is timed: each step runs N times, for a profiler outside
+the process (`ncu -k regex:mosaic ...`; CUPTI serves one client at a time).
+
+  python -m benchmarks.epilogue_costs --seq-lens 4096 --steps "f16: plain product" \\
+      --variants '{}' '{"ping_pong": true, "tile_n": 128, "stages": 5, "chained": false}'
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, timing
+from benchmarks.backward_configs import variant_config
 from benchmarks.run import write_result_json
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
@@ -39,8 +48,9 @@ STEPS = {   # name -> (table, epilogue, matmul options)
 EPILOGUES = {"multiply": lambda acc, x: acc * x, "gelu": reference.gelu_backward}
 
 
-def step_fn(step: str, tokens: int):
-  """The jitted product of one step, `f(a, b, fc1_output, row_scale, col_scale)`."""
+def step_fn(step: str, tokens: int, variant=None):
+  """The jitted product of one step, `f(a, b, fc1_output, row_scale, col_scale)`, in the
+  table's config at S = `tokens` with `variant`'s fields over it."""
   table, epilogue, options = STEPS[step]
   inputs, out_dtype = TABLES[table]
   tables = backward_sm90.tables_for(jax.devices()[0].device_kind)   # this GPU's
@@ -49,7 +59,8 @@ def step_fn(step: str, tokens: int):
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")
   # The product alone, on every SM: the table's copy programs copy the backward's inputs.
-  config = dataclasses.replace(config, copy_programs=0)
+  config = dataclasses.replace(
+      variant_config(config, backward_sm90.config_fields(variant or {})), copy_programs=0)
   options = dict(options)
   scaled = options.pop("scaled", False)
 
@@ -58,7 +69,7 @@ def step_fn(step: str, tokens: int):
     if epilogue is not None:
       extra.update(epilogue=EPILOGUES[epilogue], epilogue_operand=x, approx_math=True)
     return engine.matmul(a, b, out_dtype=out_dtype, config=config, **options, **extra)
-  return jax.jit(f)
+  return jax.jit(f), config
 
 
 def main(argv=None):
@@ -69,7 +80,11 @@ def main(argv=None):
   parser.add_argument("--steps", nargs="+", choices=list(STEPS), default=list(STEPS))
   parser.add_argument("--size", default=f"{cases.HIDDEN}x{cases.INTERMEDIATE}",
                       help="HxI (multiples of 64)")
+  parser.add_argument("--variants", nargs="+", default=["{}"],
+                      help="JSON objects of GemmConfig fields over the table's config")
   parser.add_argument("--iterations", type=int, default=20)
+  parser.add_argument("--profile-calls", type=int, default=0,
+                      help="run each step this many times untimed, for an outside profiler")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
   hidden, intermediate = (int(v) for v in args.size.split("x"))
@@ -80,13 +95,28 @@ def main(argv=None):
     a, b, x = grad_output.astype(jnp.float16), fc2_weight.astype(jnp.float16), fc1_output
     row_scale = jnp.exp2(jnp.arange(tokens, dtype=jnp.float32) % 7 - 3)
     col_scale = jnp.ones((intermediate,), jnp.float32)
-    for step in args.steps:
-      t = timing.device_times_us(step_fn(step, tokens), a, b, x, row_scale, col_scale,
-                                 iterations=args.iterations)
-      rows.append(dict(seq_len=tokens, step=step, median_us=t.median_us,
-                       kernels=list(zip(t.kernel_names, t.kernel_median_us))))
-      print(f"S={tokens:6d} {step:42s} {t.median_us:8.1f} us", flush=True)
-  write_result_json(args.out, "epilogue_costs", rows=rows)
+    for variant in map(json.loads, args.variants):
+      for step in args.steps:
+        try:
+          fn, config = step_fn(step, tokens, variant)
+          if args.profile_calls:
+            for _ in range(args.profile_calls):
+              jax.block_until_ready(fn(a, b, x, row_scale, col_scale))
+            print(f"S={tokens:6d} {json.dumps(variant)} {step}: {args.profile_calls} calls",
+                  flush=True)
+            continue
+          t = timing.device_times_us(fn, a, b, x, row_scale, col_scale,
+                                     iterations=args.iterations)
+        except ValueError as refused:   # a step this config does not run
+          print(f"S={tokens:6d} {json.dumps(variant)} {step}: {refused}", flush=True)
+          continue
+        rows.append(dict(seq_len=tokens, step=step, variant=variant, median_us=t.median_us,
+                         config=dataclasses.asdict(config),
+                         kernels=list(zip(t.kernel_names, t.kernel_median_us))))
+        print(f"S={tokens:6d} {json.dumps(variant):60s} {step:42s} {t.median_us:8.1f} us",
+              flush=True)
+  if not args.profile_calls:
+    write_result_json(args.out, "epilogue_costs", rows=rows)
 
 
 if __name__ == "__main__":

@@ -135,6 +135,37 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
       (tf32, "float32", True, "unrounded", True, True)]
 
 
+def test_epilogue_costs_runs_each_step_in_each_variants_config(tmp_path, monkeypatch):
+  """`--variants`: every step reaches the engine once per variant, in the variant's fields
+  over the table's config, and each row records the variant and the config it ran."""
+  from benchmarks import epilogue_costs
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from tests.test_mosaic_backend import _jnp_engine
+  seen = []
+
+  def engine(a, b, *, config, **kw):
+    seen.append(config)
+    return _jnp_engine(a, b, **kw)
+
+  monkeypatch.setattr(epilogue_costs.engine, "matmul", engine)
+  monkeypatch.setattr(timing, "device_times_us",
+                      lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
+  steps = ["f16: plain product", "f16: + GELU derivative"]
+  epilogue_costs.main(["--seq-lens", "16", "--size", "64x128", "--iterations", "1",
+                       "--steps", *steps, "--variants", "{}", '{"stages": 3}',
+                       "--out", str(tmp_path)])
+  [record] = list(tmp_path.glob("epilogue_costs_*.json"))
+  rows = json.loads(record.read_text())["rows"]
+  tables = backward_sm90.TABLES
+  table = dataclasses.replace(tables.config_for(tables.pre_gelu, "fp32_inputs", 16),
+                              copy_programs=0)
+  varied = dataclasses.replace(table, stages=3)
+  assert seen == [table, table, varied, varied]
+  assert [(r["step"], r["variant"]) for r in rows] == [
+      (steps[0], {}), (steps[1], {}), (steps[0], {"stages": 3}), (steps[1], {"stages": 3})]
+  assert [backward_sm90.parse_product(r["config"]) for r in rows] == seen
+
+
 def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   """`--product staging`: each variant's block and parts reach every Cast job of the
   backward, its `sum_rows` fields every SumRows job, its warps every staging launch."""
