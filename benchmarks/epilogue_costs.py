@@ -10,7 +10,9 @@ difference between two rows is what that piece costs the kernel. With `--variant
 `benchmarks/backward_configs.py`), every step runs in each variant's config. CUPTI
 device time, cold L2, median. Writes `epilogue_costs_<device>_<date>.json` into --out.
 With `--profile-calls N` nothing is timed: each step runs N times, for a profiler outside
-the process (`ncu -k regex:mosaic ...`; CUPTI serves one client at a time).
+the process (`ncu -k regex:mosaic ...`; CUPTI serves one client at a time), and with
+`--trace-dir DIR` each call writes the engine's per-warpgroup timeline of its blocks'
+"mainloop" and "epilogue" there (`engine.traced`; `benchmarks/timeline.py` reads it).
 
   python -m benchmarks.epilogue_costs --seq-lens 4096 --steps "f16: plain product" \\
       --variants '{}' '{"ping_pong": true, "tile_n": 128, "stages": 5, "chained": false}'
@@ -19,6 +21,7 @@ the process (`ncu -k regex:mosaic ...`; CUPTI serves one client at a time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -85,6 +88,8 @@ def main(argv=None):
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--profile-calls", type=int, default=0,
                       help="run each step this many times untimed, for an outside profiler")
+  parser.add_argument("--trace-dir", default=None,
+                      help="with --profile-calls: write each call's warpgroup timeline here")
   parser.add_argument("--out", default=os.path.join("benchmarks", "results", "probes", "engine"))
   args = parser.parse_args(argv)
   hidden, intermediate = (int(v) for v in args.size.split("x"))
@@ -98,9 +103,13 @@ def main(argv=None):
     for variant in map(json.loads, args.variants):
       for step in args.steps:
         try:
-          fn, config = step_fn(step, tokens, variant)
+          with (engine.traced(args.trace_dir) if args.trace_dir and args.profile_calls
+                else contextlib.nullcontext()):
+            fn, config = step_fn(step, tokens, variant)
+            if args.profile_calls:   # (traced here: the trace switch is read when jitting)
+              jax.block_until_ready(fn(a, b, x, row_scale, col_scale))
           if args.profile_calls:
-            for _ in range(args.profile_calls):
+            for _ in range(args.profile_calls - 1):
               jax.block_until_ready(fn(a, b, x, row_scale, col_scale))
             print(f"S={tokens:6d} {json.dumps(variant)} {step}: {args.profile_calls} calls",
                   flush=True)

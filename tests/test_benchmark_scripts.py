@@ -201,3 +201,23 @@ def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   sums_then = [(sums.block, sums.group)] * 2   # the two bias gradients' partial rows
   assert launches == [([(default.block, default.parts)] * casts, [], 4), ([], sums_then, 4),
                       ([((16, 64), 2)] * casts, [], 8), ([], [(32, 3)] * 2, 8)]
+
+
+def test_timeline_measures_what_overlaps_in_a_programs_warpgroups():
+  """A made-up trace of one program: warpgroup 0's epilogue [10, 14) runs while warpgroup
+  1's mainloop [10, 20) does (hidden); warpgroup 1's epilogue [20, 26) while warpgroup 0's
+  mainloop [21, 31) does for 5 of its 6 us; between 20 and 21 no mainloop runs."""
+  from benchmarks import timeline
+  regions = {(0, "mainloop"): [(0, 10), (21, 31)], (0, "epilogue"): [(10, 14)],
+             (1, "mainloop"): [(10, 20)], (1, "epilogue"): [(20, 26)],
+             (2, "load"): [(0, 31)]}
+  events = []
+  for (wg, name), spans in regions.items():
+    for start, end in spans:
+      events += [dict(name=name, ph="B", ts=start, pid=1, tid=1 + wg),
+                 dict(name=name, ph="E", ts=end, pid=1, tid=1 + wg)]
+  s = timeline.summary({"traceEvents": sorted(events, key=lambda e: e["ts"])})
+  assert s["span_us"] == 31 and s["programs"] == 1 and s["blocks"] == 3
+  assert s["mainloop_us"] == 10 and s["epilogue_us"] == 5
+  assert s["epilogue_hidden"] == 9 / 10
+  assert s["no_mainloop_share"] == 1 / 31

@@ -82,6 +82,7 @@ count that is a multiple of 8 and a row length that is a multiple of 64
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Callable
@@ -177,6 +178,26 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 COPY_TILE = (32, 128)
 COPY_LOADS, COPY_STORES = 3, 2
 COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
+
+
+# Pallas's per-warpgroup timeline of named regions, for the kernels traced within `traced`:
+# profile_space and profile_dir of plgpu.CompilerParams, or none.
+_TRACE: dict = {}
+
+
+@contextlib.contextmanager
+def traced(directory: str, events: int = 64):
+  """Kernels traced (jitted) within write, on every call, Pallas's timeline of their
+  named regions per warpgroup (each block's "mainloop" and "epilogue") into `directory`
+  as a Chrome trace: what overlaps what on each SM. At most `events` regions per
+  warpgroup; for profiling runs only (it reads the clock around every region)."""
+  previous = dict(_TRACE)
+  _TRACE.update(profile_space=events, profile_dir=directory)
+  try:
+    yield
+  finally:
+    _TRACE.clear()
+    _TRACE.update(previous)
 
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
@@ -465,7 +486,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       kernel, out_type=tuple(out_types),
       grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
-                                           approx_math=approx_math),
+                                           approx_math=approx_math, **_TRACE),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
     *(() if copy_scale is None else (copy_scale,)), *(x for x, *_ in side_copies),
@@ -778,9 +799,11 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
         def _acc(acc_ref):
           start_tile(row0, col0, whole=partial_index is None)
-          run_pipeline(acc_ref)
-          # (acc_ref[...] waits for the MMAs)
-          finish_tile(acc_ref[...], row0, col0, partial_index, (wg_row0, wg_col0))
+          with jax.named_scope("mainloop"):
+            run_pipeline(acc_ref)
+            acc = acc_ref[...]   # (waits for the MMAs)
+          with jax.named_scope("epilogue"):
+            finish_tile(acc, row0, col0, partial_index, (wg_row0, wg_col0))
 
       def mma(_, a_smem, b_smem, acc_ref):
         if transpose_a:
@@ -944,40 +967,41 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
           plgpu.wgmma_wait(0)
           plgpu.barrier_arrive(consumed.at[lax.rem(local * k_steps + k_steps - 1, ring)])
           return acc_ref[...]
-        acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-        running = None
-        for p, (pm, pn) in enumerate(pieces):
-          rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
-          value = acc[rows, cols]
-          if epilogue is not None:
-            plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
-            value = epilogue(value, operand_smem[wg, p % slots].astype(jnp.float32))
-          stored = value.astype(out_dtype)
-          plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-          out_smem[wg, p % slots] = stored
-          plgpu.commit_smem()   # (a warpgroup barrier: every thread has read its operand)
-          plgpu.copy_smem_to_gmem(
-              out_smem.at[wg, p % slots],
-              out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
-          if epilogue is not None and p + slots < len(pieces):
-            load_operand(p + slots)
+        with jax.named_scope("mainloop"):
+          acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
+        with jax.named_scope("epilogue"):
+          running = None
+          for p, (pm, pn) in enumerate(pieces):
+            rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
+            value = acc[rows, cols]
+            if epilogue is not None:
+              plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
+              value = epilogue(value, operand_smem[wg, p % slots].astype(jnp.float32))
+            stored = value.astype(out_dtype)
+            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
+            out_smem[wg, p % slots] = stored
+            plgpu.commit_smem()   # (a warpgroup barrier: every thread has read its operand)
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, p % slots],
+                out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
+            if epilogue is not None and p + slots < len(pieces):
+              load_operand(p + slots)
+            if column_sums:
+              term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
+              running = term if pm == 0 else running + term
+              if pm == tile_m // epi_m - 1:   # the column's last piece: across warps
+                if pn == 0:
+                  plgpu.barrier_wait(turn.at[wg])
+                sums_smem[wg, pn] = jnp.sum(running, axis=0)
           if column_sums:
-            term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
-            running = term if pm == 0 else running + term
-            if pm == tile_m // epi_m - 1:   # the column's last piece: across warps
-              if pn == 0:
-                plgpu.barrier_wait(turn.at[wg])
-              sums_smem[wg, pn] = jnp.sum(running, axis=0)
-        if column_sums:
-          @pl.when(local + 1 < here)
-          def _():
-            plgpu.barrier_arrive(turn.at[1 - wg])
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              sums_smem.at[wg],
-              sums_gmem.at[lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)])
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's sums
+            @pl.when(local + 1 < here)
+            def _():
+              plgpu.barrier_arrive(turn.at[1 - wg])
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                sums_smem.at[wg],
+                sums_gmem.at[lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's sums
       plgpu.wait_smem_to_gmem(0)
 
 
