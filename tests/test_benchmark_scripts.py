@@ -129,6 +129,7 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
       (f16, "float16", False, None, False, False), (f16, "float16", True, None, False, False),
       (f16, "float16", True, None, False, False),
       (f16, "float16", True, "unrounded", False, False),
+      (f16, "float16", True, None, False, False), (f16, "float16", True, None, False, False),
       (tf32, "float32", False, None, False, False), (tf32, "float32", True, None, False, False),
       (tf32, "float32", True, "unrounded", False, False),
       (tf32, "float32", True, "unrounded", True, False),
