@@ -127,8 +127,6 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.GemmConfig(ping_pong=True, epilogue_tile=(32, 64))
   with pytest.raises(ValueError, match="pieces of whole 64-row groups"):
     engine.GemmConfig(ping_pong=True, tile_n=96, epilogue_tile=(64, 64))
-  with pytest.raises(ValueError, match="operand_pool is a ping-pong program's"):
-    engine.GemmConfig(operand_pool=True)
   ping_pong = engine.GemmConfig(ping_pong=True, stages=2)
   with pytest.raises(ValueError, match=r"ping_pong computes op\(a\) = a \(transpose_a=True\)"):
     engine.matmul(jax.ShapeDtypeStruct((128, 64), jnp.float16), b16, transpose_a=True,
@@ -146,10 +144,7 @@ FUSED_CONFIGS = {
                                               epilogue_buffers=1, chained=True,
                                               copy_programs=20),
     "ping-pong": engine.GemmConfig(tile_n=128, stages=5, epilogue_tile=(64, 64),
-                                   epilogue_buffers=1, ping_pong=True, copy_programs=20),
-    "ping-pong, operand pool": engine.GemmConfig(
-        tile_n=128, stages=4, epilogue_tile=(64, 64), epilogue_buffers=1, ping_pong=True,
-        operand_pool=True, copy_programs=20)}
+                                   epilogue_buffers=1, ping_pong=True, copy_programs=20)}
 
 
 @needs_lowering
@@ -309,9 +304,7 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
     (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
                                         epilogue_tile=(64, 32)), jnp.float32, True, True),
     (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True),
-     jnp.float32, False, True),
-    (256, 1280, 3584, engine.GemmConfig(stages=4, epilogue_buffers=1, ping_pong=True,
-                                        operand_pool=True), jnp.float32, False, True)])
+     jnp.float32, False, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
                                                           epilogue_dtype, scaled, reduced):
   """Where Mosaic's lowering counts shared memory itself (JAX 0.10.2 refuses a kernel over

@@ -55,9 +55,6 @@ CASES = {   # M, K, N, config, programs, out dtype, epilogue operand dtype
                                                jnp.float32, None),
     "ping-pong, GELU epilogue, fp32 operand": (384, 192, 256, C(
         ping_pong=True, stages=2, epilogue_buffers=1), 2, jnp.bfloat16, jnp.float32),
-    "ping-pong, GELU epilogue, operand pool": (384, 192, 256, C(
-        ping_pong=True, stages=2, epilogue_buffers=1, operand_pool=True), 2, jnp.bfloat16,
-        jnp.float32),
 }
 
 
@@ -114,9 +111,6 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
                              "unrounded", jnp.float32, jnp.bfloat16),
     "ping-pong, stored": (384, 128, 256, 4, C(ping_pong=True, stages=3), "stored",
                           jnp.bfloat16, jnp.bfloat16),
-    "ping-pong, operand pool, unrounded": (384, 128, 256, 2, C(
-        ping_pong=True, stages=3, epilogue_buffers=1, operand_pool=True), "unrounded",
-        jnp.float32, jnp.bfloat16),
 }
 
 

@@ -134,11 +134,6 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
-  # Ping-pong with a fused epilogue: the memory warpgroup loads each block's whole epilogue
-  # operand, in `epilogue_tile` pieces, into one pool that the two compute warpgroups share
-  # (their epilogues alternate), right after the block's last contraction step; without it
-  # each compute warpgroup loads `epilogue_buffers` pieces ahead of its epilogue.
-  operand_pool: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -159,8 +154,6 @@ class GemmConfig:
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
-    if self.operand_pool and not self.ping_pong:
-      raise ValueError(f"GemmConfig.operand_pool is a ping-pong program's: {self}")
     if self.ping_pong and (self.chained or self.tail_splits > 1 or self.tile_k != 64):
       raise ValueError(f"GemmConfig.ping_pong runs whole blocks through one ring of 64-deep "
                        f"steps: chained=False, tail_splits=1, tile_k=64: {self}")
@@ -226,11 +219,9 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers.append(2 * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize)
   if split_tail and _partials_need_own_buffer(out_dtype):   # one per warpgroup
     buffers.append(2 * epi_m * max(epi_n, 32) * 4)
-  if epilogue_dtype is not None:      # the fused epilogue's operand tiles, pieces or pool
-    operand = (config.tile_m * config.tile_n if config.operand_pool   # one pool
-               else 2 * slots * epi_m * epi_n if config.ping_pong else 2 * config.tile_m *
-               config.tile_n)
-    buffers.append(operand * jnp.dtype(epilogue_dtype).itemsize)
+  if epilogue_dtype is not None:      # the fused epilogue's operand tiles, or pieces
+    buffers.append(2 * (slots * epi_m * epi_n if config.ping_pong else
+                        config.tile_m * config.tile_n) * jnp.dtype(epilogue_dtype).itemsize)
   if column_sums:                     # one row of sums per warpgroup
     buffers.append(2 * config.tile_n * 4)
   if line_maxima:                     # each warpgroup's column and row maxima
@@ -898,70 +889,42 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
       a_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       b_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=ring))
-  pool = epilogue is not None and config.operand_pool
-  operand_slots = len(pieces) if pool else slots   # per warpgroup, or shared
   if epilogue is not None:
     scratch.update(
-        operand_smem=plgpu.SMEM((1 if pool else 2, operand_slots, epi_m, epi_n),
-                                operand_gmem.dtype, transforms=swizzled_tiles(
+        operand_smem=plgpu.SMEM((2, slots, epi_m, epi_n), operand_gmem.dtype,
+                                transforms=swizzled_tiles(
                                     operand_gmem.dtype, tma_tile_rows(operand_gmem.shape[0]))),
-        operand_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * operand_slots))
-  if pool:   # operand_free[p]: the pool's piece p has been read (by either warpgroup)
-    scratch.update(operand_free=plgpu.Barrier(num_arrivals=1, num_barriers=operand_slots))
+        operand_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots))
   if column_sums:   # turn[w]: warpgroup w may reduce across its warps
     scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
                    turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, out_smem, a_full, b_full, consumed, operand_smem=None,
-             operand_full=None, operand_free=None, sums_smem=None, turn=None):
+             operand_full=None, sums_smem=None, turn=None):
     wg = lax.axis_index("wg")
-
-    def load_operand(p, row0, col0, owner, buffers, slot):
-      """Starts the TMA copy of piece p of the operand tile at (row0, col0) into buffer
-      `slot` of `buffers` (of warpgroup `owner`, or the pool), for warpgroup `owner`."""
-      pm, pn = pieces[p]
-      plgpu.copy_gmem_to_smem(
-          operand_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)],
-          operand_smem.at[buffers, slot], operand_full.at[owner * operand_slots + slot])
 
     @pl.when(wg == 2)
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      @pl.loop(0, here)
-      def _block(local):
-        owner = lax.rem(local, 2)
+      @pl.loop(0, here * k_steps)
+      def _step(g):
+        local = lax.div(g, k_steps)
+        kk, owner, slot = g - local * k_steps, lax.rem(local, 2), lax.rem(g, ring)
         row0, col0 = origin(local)
 
-        @pl.loop(0, k_steps)
-        def _step(kk):
-          g = local * k_steps + kk
-          slot = lax.rem(g, ring)
-
-          @pl.when(g >= ring)
-          def _():
-            plgpu.barrier_wait(consumed.at[slot])
-          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), pl.ds(kk * tile_k, tile_k)],
-                                  a_smem.at[slot], a_full.at[owner * ring + slot])
-          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(col0, tile_n)],
-                                  b_smem.at[slot], b_full.at[owner * ring + slot])
-
-        if pool:   # the block's operand, once the block before has read each piece
-          for p in range(len(pieces)):
-            @pl.when(local > 0)
-            def _(p=p):
-              plgpu.barrier_wait(operand_free.at[p])
-            load_operand(p, row0, col0, owner, 0, p)
+        @pl.when(g >= ring)
+        def _():
+          plgpu.barrier_wait(consumed.at[slot])
+        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), pl.ds(kk * tile_k, tile_k)],
+                                a_smem.at[slot], a_full.at[owner * ring + slot])
+        plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(col0, tile_n)],
+                                b_smem.at[slot], b_full.at[owner * ring + slot])
 
       @pl.loop(jnp.maximum(here * k_steps - ring, 0), here * k_steps)
-      def _drain(g):   # every phase of `consumed` (and of `operand_free`) is waited on
+      def _drain(g):   # every phase of `consumed` is waited on
         plgpu.barrier_wait(consumed.at[lax.rem(g, ring)])
-      if pool:
-        @pl.when(here > 0)
-        def _():
-          for p in range(len(pieces)):
-            plgpu.barrier_wait(operand_free.at[p])
 
     if column_sums:
       @pl.when((wg == 1) & (here > 0))
@@ -977,9 +940,15 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
         local = 2 * i + wg
         row0, col0 = origin(local)
 
-        if epilogue is not None and not pool:   # the first pieces arrive during the MMAs
+        def load_operand(p):
+          pm, pn = pieces[p]
+          plgpu.copy_gmem_to_smem(
+              operand_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)],
+              operand_smem.at[wg, p % slots], operand_full.at[wg * slots + p % slots])
+
+        if epilogue is not None:   # the first pieces arrive during the MMAs
           for p in range(slots):
-            load_operand(p, row0, col0, wg, wg, p)
+            load_operand(p)
 
         def accumulate(acc_ref):
           def step(kk, carry):
@@ -1006,9 +975,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
             rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
             value = acc[rows, cols]
             if epilogue is not None:
-              buffers, buffer = (0, p) if pool else (wg, p % slots)
-              plgpu.barrier_wait(operand_full.at[wg * operand_slots + buffer])
-              value = epilogue(value, operand_smem[buffers, buffer].astype(jnp.float32))
+              plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
+              value = epilogue(value, operand_smem[wg, p % slots].astype(jnp.float32))
             stored = value.astype(out_dtype)
             plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
             out_smem[wg, p % slots] = stored
@@ -1016,10 +984,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
             plgpu.copy_smem_to_gmem(
                 out_smem.at[wg, p % slots],
                 out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
-            if pool:   # (after commit_smem's warpgroup barrier: every thread has read it)
-              plgpu.barrier_arrive(operand_free.at[p])
-            elif epilogue is not None and p + slots < len(pieces):
-              load_operand(p + slots, row0, col0, wg, wg, (p + slots) % slots)
+            if epilogue is not None and p + slots < len(pieces):
+              load_operand(p + slots)
             if column_sums:
               term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
               running = term if pm == 0 else running + term
