@@ -9,6 +9,7 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import (backward_configs, bf16x3_chunks, input_dtypes, precision_errors, timing,
                         training_step)
@@ -222,3 +223,33 @@ def test_timeline_measures_what_overlaps_in_a_programs_warpgroups():
   assert s["mainloop_us"] == 10 and s["epilogue_us"] == 5
   assert s["epilogue_hidden"] == 9 / 10
   assert s["no_mainloop_share"] == 1 / 31
+
+
+def test_epilogue_costs_profile_calls_run_each_step_untimed(tmp_path, monkeypatch):
+  """`--profile-calls N`: each step's product runs N times, nothing is timed and no result
+  file is written (a profiler outside the process does the measuring)."""
+  from benchmarks import epilogue_costs
+  from tests.test_mosaic_backend import _jnp_engine
+  calls = []
+  monkeypatch.setattr(epilogue_costs.engine, "matmul",
+                      lambda a, b, *, config, **kw: _jnp_engine(a, b, **kw))
+  step_fn = epilogue_costs.step_fn
+
+  def counted_step_fn(step, *args):
+    fn, config = step_fn(step, *args)
+
+    def call(*operands):
+      calls.append(step)
+      return fn(*operands)
+    return call, config
+
+  def timed(*_, **__):
+    pytest.fail("--profile-calls timed a step")
+
+  monkeypatch.setattr(epilogue_costs, "step_fn", counted_step_fn)
+  monkeypatch.setattr(timing, "device_times_us", timed)
+  steps = ["f16: plain product", "f16: + GELU derivative"]
+  epilogue_costs.main(["--seq-lens", "16", "--size", "64x128", "--steps", *steps,
+                       "--profile-calls", "3", "--out", str(tmp_path)])
+  assert calls == [steps[0]] * 3 + [steps[1]] * 3
+  assert not list(tmp_path.iterdir())
