@@ -134,6 +134,10 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
+  # Ping-pong's fused epilogue: a piece's operand is read into registers and its buffer
+  # refilled with a later piece before the piece is computed, so the load runs under the
+  # computation instead of after it.
+  early_operand_loads: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -974,9 +978,14 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
           for p, (pm, pn) in enumerate(pieces):
             rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
             value = acc[rows, cols]
+            refill = epilogue is not None and p + slots < len(pieces)
             if epilogue is not None:
               plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
-              value = epilogue(value, operand_smem[wg, p % slots].astype(jnp.float32))
+              operand = operand_smem[wg, p % slots].astype(jnp.float32)
+              if refill and config.early_operand_loads:
+                plgpu.commit_smem()   # every thread has read the piece: refill its buffer
+                load_operand(p + slots)
+              value = epilogue(value, operand)
             stored = value.astype(out_dtype)
             plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
             out_smem[wg, p % slots] = stored
@@ -984,7 +993,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
             plgpu.copy_smem_to_gmem(
                 out_smem.at[wg, p % slots],
                 out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
-            if epilogue is not None and p + slots < len(pieces):
+            if refill and not config.early_operand_loads:
               load_operand(p + slots)
             if column_sums:
               term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
