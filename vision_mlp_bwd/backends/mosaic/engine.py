@@ -134,10 +134,6 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
-  # Ping-pong's fused epilogue: a piece's operand is read into registers and its buffer
-  # refilled with a later piece before the piece is computed, so the load runs under the
-  # computation instead of after it.
-  early_operand_loads: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -868,7 +864,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
   warpgroup j mod 2's. Each ring slot has a "full" barrier per compute warpgroup (each
   waits only on its own) and one "consumed" barrier, which the memory warpgroup waits
   on before it refills the slot. The epilogue reads the fused operand and stores the
-  output in `epilogue_tile` pieces; the column sums add a column's pieces in registers,
+  output in `epilogue_tile` pieces (a piece's operand buffer is refilled with a later
+  piece as soon as it is read, before the piece's math); the column sums add a column's pieces in registers,
   then reduce across warps, the warpgroups taking turns at Pallas's one reduction
   scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`)."""
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
@@ -982,19 +979,17 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
             if epilogue is not None:
               plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
               operand = operand_smem[wg, p % slots].astype(jnp.float32)
-              if refill and config.early_operand_loads:
+              if refill:
                 plgpu.commit_smem()   # every thread has read the piece: refill its buffer
                 load_operand(p + slots)
               value = epilogue(value, operand)
             stored = value.astype(out_dtype)
             plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
             out_smem[wg, p % slots] = stored
-            plgpu.commit_smem()   # (a warpgroup barrier: every thread has read its operand)
+            plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 out_smem.at[wg, p % slots],
                 out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
-            if refill and not config.early_operand_loads:
-              load_operand(p + slots)
             if column_sums:
               term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
               running = term if pm == 0 else running + term
