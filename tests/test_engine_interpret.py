@@ -111,8 +111,6 @@ EPILOGUE_REDUCTIONS = {   # M, K, N, programs, config, column_sums, operand dtyp
                              "unrounded", jnp.float32, jnp.bfloat16),
     "ping-pong, stored": (384, 128, 256, 4, C(ping_pong=True, stages=3), "stored",
                           jnp.bfloat16, jnp.bfloat16),
-    "ping-pong, nested": (384, 128, 256, 2, C(ping_pong=True, stages=3, epilogue_buffers=1, nested_memory_loop=True, operand_prefetch=True),
-                             "unrounded", jnp.float32, jnp.bfloat16),
 }
 
 

@@ -134,10 +134,6 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
-  # Ping-pong's fused epilogue: at a block's start, prefetch its whole operand tile into L2
-  # (TMA), so that the pieces the epilogue loads later come from L2, not HBM.
-  operand_prefetch: bool = False
-  nested_memory_loop: bool = False
 
   @property
   def block(self) -> tuple[int, int]:
@@ -466,8 +462,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
                              stores_out=out_dtype is not None,
                              side_copies=tuple(len(side) == 3 for side in side_copies),
-                             copy_programs=config.copy_programs,
-                             l2_prefetch=config.operand_prefetch and interpret is None)
+                             copy_programs=config.copy_programs)
   out_types = [] if out_dtype is None else [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
@@ -566,7 +561,7 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
             line_maxima: bool, speculated_copies: int, stores_out: bool,
-            side_copies: tuple[bool, ...], copy_programs: int, l2_prefetch: bool = False):
+            side_copies: tuple[bool, ...], copy_programs: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -588,7 +583,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
                 scales=scales, maxima=maxima)
   if config.ping_pong:
     _ping_pong_program(a_gmem, b_gmem, operand_gmem, *refs, config=config, plan=plan,
-                       epilogue=epilogue, column_sums=column_sums, l2_prefetch=l2_prefetch)
+                       epilogue=epilogue, column_sums=column_sums)
   else:
     _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config=config, transpose_a=transpose_a,
@@ -862,7 +857,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
 
 def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *,
                        config: GemmConfig, plan: Schedule, epilogue: Callable | None,
-                       column_sums: str | None, l2_prefetch: bool = False):
+                       column_sums: str | None):
   """One program's blocks of a ping-pong product (`GemmConfig.ping_pong`), as CUTLASS's
   ping-pong kernels run them: the memory warpgroup streams the program's blocks in order
   through one ring (block j's steps, then block j + 1's), and block j is compute
@@ -914,30 +909,23 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
     def _memory():
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
-      def issue(g, local, kk, row0, col0):
-        owner, slot = lax.rem(local, 2), lax.rem(g, ring)
+      @pl.loop(0, here)
+      def _block(local):   # (the block's origin once, not at every step: NOTES 65b)
+        row0, col0 = origin(local)
+        owner = lax.rem(local, 2)
 
-        @pl.when(g >= ring)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
-        plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), pl.ds(kk * tile_k, tile_k)],
-                                a_smem.at[slot], a_full.at[owner * ring + slot])
-        plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(col0, tile_n)],
-                                b_smem.at[slot], b_full.at[owner * ring + slot])
+        @pl.loop(0, k_steps)
+        def _step(kk):
+          g = local * k_steps + kk
+          slot = lax.rem(g, ring)
 
-      if config.nested_memory_loop:
-        @pl.loop(0, here)
-        def _block(local):
-          row0, col0 = origin(local)
-
-          @pl.loop(0, k_steps)
-          def _step(kk):
-            issue(local * k_steps + kk, local, kk, row0, col0)
-      else:
-        @pl.loop(0, here * k_steps)
-        def _step(g):
-          local = lax.div(g, k_steps)
-          issue(g, local, g - local * k_steps, *origin(local))
+          @pl.when(g >= ring)
+          def _():
+            plgpu.barrier_wait(consumed.at[slot])
+          plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), pl.ds(kk * tile_k, tile_k)],
+                                  a_smem.at[slot], a_full.at[owner * ring + slot])
+          plgpu.copy_gmem_to_smem(b_gmem.at[pl.ds(kk * tile_k, tile_k), pl.ds(col0, tile_n)],
+                                  b_smem.at[slot], b_full.at[owner * ring + slot])
 
       @pl.loop(jnp.maximum(here * k_steps - ring, 0), here * k_steps)
       def _drain(g):   # every phase of `consumed` is waited on
@@ -966,8 +954,6 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
         if epilogue is not None:   # the first pieces arrive during the MMAs
           for p in range(slots):
             load_operand(p)
-          if l2_prefetch and slots < len(pieces):
-            plgpu.async_prefetch(operand_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)])
 
         def accumulate(acc_ref):
           def step(kk, carry):
