@@ -865,9 +865,9 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
   waits only on its own) and one "consumed" barrier, which the memory warpgroup waits
   on before it refills the slot. The epilogue reads the fused operand and stores the
   output in `epilogue_tile` pieces (a piece's operand buffer is refilled with a later
-  piece as soon as it is read, before the piece's math); the column sums add a column's pieces in registers,
-  then reduce across warps, the warpgroups taking turns at Pallas's one reduction
-  scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`)."""
+  piece as soon as it is read, before the piece's math); the column sums add a column's
+  pieces in registers, then reduce across warps, the warpgroups taking turns at Pallas's
+  one reduction scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`)."""
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   epi_m, epi_n = config.epilogue_tile
@@ -910,7 +910,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
       plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
 
       @pl.loop(0, here)
-      def _block(local):   # (the block's origin once, not at every step: NOTES 65b)
+      def _block(local):   # (its origin once, not at every step: NOTES 65d)
         row0, col0 = origin(local)
         owner = lax.rem(local, 2)
 
