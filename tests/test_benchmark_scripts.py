@@ -225,6 +225,34 @@ def test_timeline_measures_what_overlaps_in_a_programs_warpgroups():
   assert s["no_mainloop_share"] == 1 / 31
 
 
+def test_sass_regions_counts_a_made_up_source_page(tmp_path, capsys):
+  """ncu's source-page CSV (a title row, then the header): opcodes without predicates or
+  modifiers, executions per 32 elements, stall samples by reason, per region of indices."""
+  import gzip
+  from benchmarks import sass_regions
+  header = ["Address", "Source", sass_regions.SAMPLES, sass_regions.EXECUTED,
+            "stall_wait", "stall_long_sb", "stall_wait (Not Issued)"]
+  body = [["0x0", "  FMUL R1, R2, R3", "4", "64", "3", "1", "9"],
+          ["0x10", "@!P2  BRA 0x40", "10", "64", "0", "10", "9"],
+          ["0x20", "MUFU.EX2 R4, R1", "2", "32", "2", "0", "9"],
+          ["0x30", "FMUL.FTZ R5, R4, R1", "0", "1,024", "0", "0", "9"]]
+  path = tmp_path / "source.csv.gz"
+  with gzip.open(path, "wt") as f:
+    f.write('"Kernel Name","k",\n')
+    for row in [header] + body:
+      f.write(",".join(f'"{v}"' for v in row) + "\n")
+  found = sass_regions.read(str(path))
+  assert [i.opcode for i in found] == ["FMUL", "BRA", "MUFU", "FMUL"]
+  assert [i.executed for i in found] == [64, 64, 32, 1024]
+  assert found[1].stalls == {"wait": 0, "long_sb": 10}
+  sass_regions.main([str(path), "--elements", "64", "--regions", "tail=2:4", "--hottest", "1"])
+  out = capsys.readouterr().out
+  assert "all: 4 static, 1184 executed (592.00 per element), 16 stall samples" in out
+  assert "long_sb 11, wait 5" in out and "FMUL 544.00, BRA 32.00, MUFU 16.00" in out
+  assert "tail [2, 4): 2 static, 1056 executed (528.00 per element), 2 stall samples" in out
+  assert "    2     2 MUFU.EX2 R4, R1" in out
+
+
 def test_epilogue_costs_profile_calls_run_each_step_untimed(tmp_path, monkeypatch):
   """`--profile-calls N`: each step's product runs N times, nothing is timed and no result
   file is written (a profiler outside the process does the measuring)."""
