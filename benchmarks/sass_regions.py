@@ -21,7 +21,6 @@ import collections
 import csv
 import dataclasses
 import gzip
-import io
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
@@ -47,8 +46,8 @@ def _number(text: str) -> float:
 def read(path: str) -> list[Instruction]:
   """The instructions of ncu's source-page CSV (plain or gzipped), in SASS order."""
   opener = gzip.open if path.endswith(".gz") else open
-  with opener(path, "rt") as f:
-    rows = list(csv.reader(io.StringIO(f.read())))
+  with opener(path, "rt", newline="") as f:
+    rows = list(csv.reader(f))
   header_at = next(i for i, row in enumerate(rows) if "Source" in row and EXECUTED in row)
   header = rows[header_at]
   column = {name: i for i, name in enumerate(header)}
@@ -59,9 +58,8 @@ def read(path: str) -> list[Instruction]:
     if len(row) < len(header):
       continue
     source = row[column["Source"]].strip()
-    words = source.split()
-    opcode = words[1] if words and words[0].startswith("@") and len(words) > 1 else (
-        words[0] if words else "")
+    words = [w for w in source.split() if not w.startswith("@")]   # (no predicate)
+    opcode = words[0] if words else ""
     found.append(Instruction(
         source, opcode.split(".")[0], _number(row[column[EXECUTED]]),
         _number(row[column[SAMPLES]]),
