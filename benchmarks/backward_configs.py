@@ -13,7 +13,9 @@ whole config it ran (`config`: GemmConfig's fields, or "xla").
   python -m benchmarks.backward_configs --table tf32_on_f16 --product pre_gelu \\
       --variants '{}' '{"stages": 3, "epilogue_buffers": 2}' '{"mma_in_flight": 0}'
 
-`{"xla_dot": true}` runs the product as XLA's dot instead (rows and weight_grads).
+`{"xla_dot": true}` runs the product as XLA's dot instead (rows and weight_grads);
+`"gelu_form"` in a variant traces the backward with that form of the GELU derivative
+(`benchmarks/gelu_forms.py`; its gradients then differ in the last bits).
 `--product staging` varies the staging launches instead (`backends/staging.py`): each
 variant's `block` and `parts` replace every `Cast` job's, `num_warps` and `num_stages`
 the launches', and `"sum_rows"` every `SumRows` job's fields (the table's products
@@ -33,7 +35,7 @@ import json
 import jax
 import jax.numpy as jnp
 
-from benchmarks import cases, timing
+from benchmarks import cases, gelu_forms, timing
 from benchmarks.run import todays_runs_dir, write_result_json
 from vision_mlp_bwd import precision as precisions
 from vision_mlp_bwd.backends import staging
@@ -79,7 +81,9 @@ def main(argv=None):
     problem = Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
     first = None
     for variant in variants:
-      fields = backward_sm90.config_fields(variant)
+      fields = dict(variant)
+      form = fields.pop("gelu_form", None)
+      fields = backward_sm90.config_fields(fields)
       ran = None
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
@@ -97,7 +101,7 @@ def main(argv=None):
       fn = jax.jit(lambda *a, t=replaced: backward_sm90.backward(
           *a, problem=problem, tables=t, interpret=interpret))
       try:
-        with _launching(launch):
+        with _launching(launch), gelu_forms.using(form):
           out = jax.block_until_ready(fn(*inputs))
       except ValueError as refused:   # e.g. over the shared memory of a block
         print(f"S={tokens} {variant}: {refused}", flush=True)

@@ -31,7 +31,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks import cases, timing
+from benchmarks import cases, gelu_forms, timing
 from benchmarks.backward_configs import variant_config
 from benchmarks.run import write_result_json
 from vision_mlp_bwd import reference
@@ -68,8 +68,9 @@ def step_fn(step: str, tokens: int, variant=None):
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")
   # The product alone, on every SM: the table's copy programs copy the backward's inputs.
+  fields = {k: v for k, v in (variant or {}).items() if k != "gelu_form"}
   config = dataclasses.replace(
-      variant_config(config, backward_sm90.config_fields(variant or {})), copy_programs=0)
+      variant_config(config, backward_sm90.config_fields(fields)), copy_programs=0)
   options = dict(options)
   scaled = options.pop("scaled", False)
   operand_rows = options.pop("operand_rows", None)
@@ -92,7 +93,9 @@ def main(argv=None):
   parser.add_argument("--size", default=f"{cases.HIDDEN}x{cases.INTERMEDIATE}",
                       help="HxI (multiples of 64)")
   parser.add_argument("--variants", nargs="+", default=["{}"],
-                      help="JSON objects of GemmConfig fields over the table's config")
+                      help="JSON objects of GemmConfig fields over the table's config "
+                           "(\"gelu_form\": a form of benchmarks/gelu_forms.py instead of "
+                           "the package's)")
   parser.add_argument("--iterations", type=int, default=20)
   parser.add_argument("--profile-calls", type=int, default=0,
                       help="run each step this many times untimed, for an outside profiler")
@@ -112,9 +115,10 @@ def main(argv=None):
       for step in args.steps:
         try:
           with (engine.traced(args.trace_dir) if args.trace_dir and args.profile_calls
-                else contextlib.nullcontext()):   # (read when the first call traces)
-            fn, config = step_fn(step, tokens, variant)
-            for _ in range(args.profile_calls):
+                else contextlib.nullcontext()), gelu_forms.using(variant.get("gelu_form")):
+            fn, config = step_fn(step, tokens, variant)   # (read when the first call traces)
+            jax.block_until_ready(fn(a, b, x, row_scale, col_scale))
+            for _ in range(args.profile_calls - 1):
               jax.block_until_ready(fn(a, b, x, row_scale, col_scale))
           if args.profile_calls:
             print(f"S={tokens:6d} {json.dumps(variant)} {step}: {args.profile_calls} calls",

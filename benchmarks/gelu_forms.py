@@ -6,11 +6,15 @@ and `mosaic_probe`), so the same kernels run with only the elementwise
 epilogue changed. "tanh" is the contract's formula as written;
 "one_exp_rsqrt" the package's form until 2026-12 (r = rsqrt(1 + exp(-2u))^2,
 r (1 - r) formed by cancellation: fp32 error up to 5.4e-6 on some CPUs);
-"no_cancellation" the package's form now, and two variants of it that
-timed the same in the Mosaic launch 1 (benchmarks/NOTES.md, 25).
+"no_cancellation" the form that replaced it (benchmarks/NOTES.md, 25), and two
+variants of it that timed the same in the Mosaic launch 1; "folded" the
+package's form now (the same terms, constants folded into fewer instructions:
+NOTES 66) and "folded_rsqrt", 1 / (1 + t) as rsqrt((1 + t)^2).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import jax.numpy as jnp
 from jax import lax
@@ -34,6 +38,27 @@ def one_exp_rsqrt_form(x):
   return r + r * (slope * (1.0 - r))
 
 
+def no_cancellation_form(x):
+  """The package's form from 2026-12-01 to 12-07: `reference.gelu_tanh_grad` before its
+  constants were folded."""
+  x2 = x * x
+  t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
+  p = 1.0 / (1.0 + t)
+  r = jnp.where(x >= 0, p, t * p)
+  q = t * p * p
+  return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
+
+
+def folded_rsqrt_form(x):
+  """The package's form with 1 / (1 + t) as rsqrt((1 + t)^2)."""
+  x2 = x * x
+  t = jnp.exp2(jnp.abs(x) * (x2 * reference._EXP2_CUBIC + reference._EXP2_LINEAR))
+  p = lax.rsqrt((1.0 + t) * (1.0 + t))
+  tp = t * p
+  return (jnp.where(x >= 0, p, tp)
+          + ((tp * p * x) * (2.0 * SQRT_2_OVER_PI)) * ((3.0 * GELU_CUBIC * x) * x + 1.0))
+
+
 def clamped_exp_form(x):
   """No cancellation without |x| or a select: e = exp(min(-2u, 80)), r = 1 / (1 + e) as
   rsqrt((1 + e)^2) (0 where that overflows), r (1 - r) = e r^2."""
@@ -52,19 +77,32 @@ def shared_tp_form(x):
 
 
 FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
-         "no_cancellation": reference.gelu_tanh_grad,
-         "clamped_exp": clamped_exp_form, "shared_tp": shared_tp_form}
+         "no_cancellation": no_cancellation_form,
+         "clamped_exp": clamped_exp_form, "shared_tp": shared_tp_form,
+         "folded": reference.gelu_tanh_grad, "folded_rsqrt": folded_rsqrt_form}
+PACKAGE_FORM = reference.gelu_tanh_grad
 
 
 def use(form: str | None) -> None:
-  """Makes the kernels compute the GELU derivative as `FORMS[form]`; None: the package's own."""
+  """Makes the kernels compute the GELU derivative as `FORMS[form]`; None: the package's own.
+
+  The engine's epilogues call `reference.gelu_backward`, which looks the derivative up
+  in `reference` when traced, so that name is replaced too (and the XLA path follows).
+  """
   from vision_mlp_bwd.backends.mosaic import launch_1_sm90
   from vision_mlp_bwd.backends.triton import kernels
-  if form is None:
-    kernels.gelu_tanh_grad = reference.gelu_tanh_grad
-    launch_1_sm90.gelu_derivative = reference.gelu_tanh_grad
-  else:
-    kernels.gelu_tanh_grad = launch_1_sm90.gelu_derivative = FORMS[form]
+  fn = PACKAGE_FORM if form is None else FORMS[form]
+  kernels.gelu_tanh_grad = launch_1_sm90.gelu_derivative = reference.gelu_tanh_grad = fn
+
+
+@contextlib.contextmanager
+def using(form: str | None):
+  """`use(form)` for the kernels traced inside, then the package's form again."""
+  use(form)
+  try:
+    yield
+  finally:
+    use(None)
 
 
 def kernel_errors(n_rows: int = 8192):

@@ -281,3 +281,34 @@ def test_epilogue_costs_profile_calls_run_each_step_untimed(tmp_path, monkeypatc
                        "--profile-calls", "3", "--out", str(tmp_path)])
   assert calls == [steps[0]] * 3 + [steps[1]] * 3
   assert not list(tmp_path.iterdir())
+
+
+def test_a_variants_gelu_form_is_what_its_epilogue_traces(tmp_path, monkeypatch):
+  """`"gelu_form"` in a variant (epilogue_costs, backward_configs): the fused epilogue is
+  traced with that form of the GELU derivative, the other variants with the package's,
+  and the package's is back in place afterwards."""
+  from benchmarks import epilogue_costs, gelu_forms
+  from vision_mlp_bwd import reference
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from tests.test_mosaic_backend import _jnp_engine
+  seen = []
+
+  def engine(a, b, *, config, **kw):
+    if kw.get("epilogue") is not None:
+      seen.append(reference.gelu_tanh_grad)
+    return _jnp_engine(a, b, **kw)
+
+  for module in (epilogue_costs, backward_sm90):
+    monkeypatch.setattr(module.engine, "matmul", engine)
+  monkeypatch.setattr(timing, "device_times_us",
+                      lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
+  variants = ["{}", '{"gelu_form": "no_cancellation"}']
+  epilogue_costs.main(["--seq-lens", "16", "--size", "64x128", "--iterations", "1",
+                       "--steps", "f16: + GELU derivative", "--variants", *variants,
+                       "--out", str(tmp_path)])
+  backward_configs.main(["--table", "tf32_on_f16", "--product", "pre_gelu", "--seq-lens", "8",
+                         "--size", "64x128", "--iterations", "1", "--variants", *variants,
+                         "--out", str(tmp_path)])
+  package, old = gelu_forms.PACKAGE_FORM, gelu_forms.FORMS["no_cancellation"]
+  assert seen == [package, old, package, old]
+  assert reference.gelu_tanh_grad is package
