@@ -81,9 +81,7 @@ def main(argv=None):
     problem = Problem(tokens, hidden, intermediate, jnp.dtype(dtype), mode)
     first = None
     for variant in variants:
-      fields = dict(variant)
-      form = fields.pop("gelu_form", None)
-      fields = backward_sm90.config_fields(fields)
+      fields, form = variant_parts(variant)
       ran = None
       if entries is None:
         replaced, launch = tables, _staging_launch(fields)
@@ -131,7 +129,14 @@ def recorded_config(row, base):
   rows recorded it, its variant over `base` (the table's config at that S then)."""
   if "config" in row:
     return backward_sm90.parse_product(row["config"])
-  return variant_config(base, backward_sm90.config_fields(row["variant"]))
+  return variant_config(base, variant_parts(row["variant"])[0])
+
+
+def variant_parts(variant: dict):
+  """A variant's (GemmConfig or staging fields, GELU form name or None)."""
+  fields = dict(variant)
+  form = fields.pop("gelu_form", None)
+  return backward_sm90.config_fields(fields), form
 
 
 def variant_config(config, fields):

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import cases, gelu_forms, timing
-from benchmarks.backward_configs import variant_config
+from benchmarks.backward_configs import variant_config, variant_parts
 from benchmarks.run import write_result_json
 from vision_mlp_bwd import reference
 from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
@@ -68,9 +68,8 @@ def step_fn(step: str, tokens: int, variant=None):
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")
   # The product alone, on every SM: the table's copy programs copy the backward's inputs.
-  fields = {k: v for k, v in (variant or {}).items() if k != "gelu_form"}
   config = dataclasses.replace(
-      variant_config(config, backward_sm90.config_fields(fields)), copy_programs=0)
+      variant_config(config, variant_parts(variant or {})[0]), copy_programs=0)
   options = dict(options)
   scaled = options.pop("scaled", False)
   operand_rows = options.pop("operand_rows", None)
@@ -115,7 +114,7 @@ def main(argv=None):
       for step in args.steps:
         try:
           with (engine.traced(args.trace_dir) if args.trace_dir and args.profile_calls
-                else contextlib.nullcontext()), gelu_forms.using(variant.get("gelu_form")):
+                else contextlib.nullcontext()), gelu_forms.using(variant_parts(variant)[1]):
             fn, config = step_fn(step, tokens, variant)
             # the first call traces, inside both contexts; the timed calls reuse its kernels
             jax.block_until_ready(fn(a, b, x, row_scale, col_scale))

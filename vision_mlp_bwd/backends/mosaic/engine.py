@@ -979,11 +979,10 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
           for p, (pm, pn) in enumerate(pieces):
             rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
             value = acc[rows, cols]
-            refill = epilogue is not None and p + slots < len(pieces)
             if epilogue is not None:
               plgpu.barrier_wait(operand_full.at[wg * slots + p % slots])
               operand = operand_smem[wg, p % slots].astype(jnp.float32)
-              if refill:
+              if p + slots < len(pieces):
                 plgpu.commit_smem()   # every thread has read the piece: refill its buffer
                 load_operand(p + slots)
               value = epilogue(value, operand)
