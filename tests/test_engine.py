@@ -81,6 +81,10 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
                   epilogue_operand=jax.ShapeDtypeStruct((64, 64), jnp.float32))
   with pytest.raises(ValueError, match=r"convert_b runs its own pipeline"):
     engine.GemmConfig(convert_b=True, ping_pong=True)
+  with pytest.raises(ValueError, match=r"whole 64-column pieces"):
+    engine.GemmConfig(convert_b=True, tile_n=32, split="m")
+  with pytest.raises(ValueError, match=r"take stages >= 2"):
+    engine.GemmConfig(convert_b=True, stages=1)
   with pytest.raises(ValueError, match=r"b has shape \(120, 64\).*K - 8 < K' <= K"):
     engine.matmul(a16, jax.ShapeDtypeStruct((120, 64), jnp.float32), config=converting)
   with pytest.raises(ValueError, match=r"op\(a\) is \[64, 128\] but b has shape \(64, 128\)"):

@@ -293,3 +293,65 @@ def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
   bounds.check_backward(outs, inputs, precision, f"pre-GELU on XLA S={tokens}")
   for a, b in zip(outs, jax.device_get(fn(*inputs))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+CONVERTING = {   # M, K of A (a multiple of 8), K' rows of the fp32 B, N, A transposed?, config
+    "weight gradient, B of 333 rows, split tail": (3584, 336, 333, 1280, True, dict(
+        tile_n=64, stages=3, tail_splits=8)),
+    "weight gradient, 256x128, S=2500": (3584, 2504, 2500, 1280, True, dict(
+        split="m", stages=3, epilogue_tile=(64, 32), epilogue_buffers=1, tail_splits=16)),
+    "input gradient, 3 fp32 tiles in flight": (2504, 3584, 3584, 1280, False, dict(
+        tile_n=64, stages=3, convert_stages=3, epilogue_tile=(64, 32), tail_splits=16)),
+    "B of 60 rows, one fp32 tile in flight": (256, 64, 60, 256, False, dict(
+        tile_n=64, stages=4, convert_stages=1)),
+}
+
+
+@pytest.mark.parametrize("case", CONVERTING)
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_engine_rounds_an_fp32_b_in_the_kernel(case, out_dtype):
+  """`GemmConfig.convert_b` on hardware (the interpreter models neither swizzles nor
+  transposed operands): B's fp32 rows past K' read as zeros, each element rounded to
+  bf16 as `astype` rounds it; every element within 2 gamma_K |A| |round(B)| of the float64
+  product (plus the output's rounding), and bit for bit the same on a second call."""
+  from vision_mlp_bwd.backends.mosaic import engine
+  m, k, rows, n, transpose_a, fields = CONVERTING[case]
+  config = engine.GemmConfig(convert_b=True, **fields)
+  keys = jax.random.split(jax.random.key(len(case)), 2)
+  a = jax.random.normal(keys[0], (k, m) if transpose_a else (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (rows, n), jnp.float32)
+  fn = jax.jit(functools.partial(engine.matmul, transpose_a=transpose_a, config=config,
+                                 out_dtype=out_dtype))
+  out = np.asarray(fn(a, b).astype(jnp.float32), np.float64)
+  a64 = np.asarray(a.astype(jnp.float32), np.float64)
+  a64 = a64.T if transpose_a else a64
+  b64 = np.zeros((k, n))
+  b64[:rows] = np.asarray(b.astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+  exact = a64 @ b64
+  bound = 2 * k * 2.0 ** -24 * (np.abs(a64) @ np.abs(b64))
+  if out_dtype != jnp.float32:
+    bound = bound * (1 + 2.0 ** -8) + 2.0 ** -8 * np.abs(exact)
+  error = np.abs(out - exact)
+  assert np.all(error <= bound), (case, int(np.sum(~(error <= bound))), out.size)
+  np.testing.assert_array_equal(np.asarray(fn(a, b)), np.asarray(fn(a, b)))
+
+
+@pytest.mark.parametrize("tokens", [7, 333, 2500])
+def test_mosaic_backward_with_converting_products_within_bounds(tokens):
+  """The input and weight gradients reading their fp32 inputs as given (`convert_b`, the
+  benchmark's 256x128 config) in the whole F16 backward: within bounds, bitwise
+  repeatable."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90, engine
+  from vision_mlp_bwd.precision import canonicalize
+  from vision_mlp_bwd.problem import check_backward_args
+  config = engine.GemmConfig(split="m", stages=3, epilogue_tile=(64, 32), epilogue_buffers=1,
+                             tail_splits=16, convert_b=True)
+  convert = {"fp32_inputs": ((None, config),)}
+  tables = dataclasses.replace(backward_sm90.TABLES, rows=convert, weight_grads=convert)
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  problem = check_backward_args(*inputs, canonicalize(F16))
+  fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
+  outs = jax.device_get(fn(*inputs))
+  bounds.check_backward(outs, inputs, F16, f"converting products S={tokens}")
+  for a, b in zip(outs, jax.device_get(fn(*inputs))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -160,9 +160,14 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
-    if self.convert_stages < 1 or self.convert_b and (self.ping_pong or self.chained):
+    if self.convert_stages < 1 or self.convert_b and (
+        self.ping_pong or self.chained or self.block[1] % CONVERT_COLUMNS):
       raise ValueError(f"GemmConfig.convert_stages must be >= 1, and convert_b runs its own "
-                       f"pipeline (not ping_pong or chained): {self}")
+                       f"pipeline (not ping_pong or chained) over blocks of whole "
+                       f"{CONVERT_COLUMNS}-column pieces: {self}")
+    if (self.ping_pong or self.convert_b) and self.stages < 2:
+      # (their compute warpgroups free a ring slot one step late: one slot would deadlock)
+      raise ValueError(f"GemmConfig.ping_pong and convert_b take stages >= 2: {self}")
     if self.copy_programs < 0:
       raise ValueError(f"GemmConfig.copy_programs must be >= 0: {self}")
     if self.chained and self.mma_in_flight:
@@ -1089,18 +1094,21 @@ def _converting_program(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmCon
                        + (local - whole_here) * plan.steps_per_split), whole, part)
 
   a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
-  b_rows = tma_tile_rows(b_gmem.shape[0])   # TMA reaches a ragged fp32 B
+  # TMA reaches a ragged fp32 B through tiles of one row, whose swizzle is right only
+  # from a 1024-byte boundary: so each piece the converter rounds is a buffer of its own.
+  b_rows = tma_tile_rows(b_gmem.shape[0])
+  pieces_n = block_n // CONVERT_COLUMNS
   scratch = dict(
       a_smem=plgpu.SMEM((ring, *a_tile), dtype, transforms=swizzled_tiles(dtype)),
       b_smem=plgpu.SMEM((ring, tile_k, block_n), dtype, transforms=swizzled_tiles(dtype)),
-      staged_smem=plgpu.SMEM((staging, tile_k, block_n), jnp.float32,
+      staged_smem=plgpu.SMEM((staging, pieces_n, tile_k, CONVERT_COLUMNS), jnp.float32,
                              transforms=swizzled_tiles(jnp.float32, b_rows)),
       out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
                           transforms=swizzled_tiles(out_dtype, tma_tile_rows(out_gmem.shape[0]))),
       a_full=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
       b_full=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
       consumed=plgpu.Barrier(num_arrivals=2, num_barriers=ring),
-      staged=plgpu.Barrier(num_arrivals=1, num_barriers=staging),
+      staged=plgpu.Barrier(num_arrivals=pieces_n, num_barriers=staging),   # a TMA a piece
       staged_free=plgpu.Barrier(num_arrivals=1, num_barriers=staging))
   if partial_gmem and _partials_need_own_buffer(out_dtype):
     scratch.update(partial_smem=plgpu.SMEM((2, 1, epi_m, epi_n), jnp.float32,
@@ -1138,7 +1146,7 @@ def _converting_program(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmCon
         bm, bn, first = place[:3]
         slot, buffer = lax.rem(g, ring), lax.rem(g, staging)
         k = pl.ds((first + kk) * tile_k, tile_k)
-        rows, cols = pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)
+        rows = pl.ds(bm * block_m, block_m)
 
         @pl.when(g >= ring)
         def _():
@@ -1149,7 +1157,10 @@ def _converting_program(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmCon
         @pl.when(g >= staging)
         def _():
           plgpu.barrier_wait(staged_free.at[buffer])
-        plgpu.copy_gmem_to_smem(b_gmem.at[k, cols], staged_smem.at[buffer], staged.at[buffer])
+        for piece in range(pieces_n):
+          plgpu.copy_gmem_to_smem(
+              b_gmem.at[k, pl.ds(bn * block_n + piece * CONVERT_COLUMNS, CONVERT_COLUMNS)],
+              staged_smem.at[buffer, piece], staged.at[buffer])
 
       drain(consumed, ring)
       drain(staged_free, staging)
@@ -1166,12 +1177,11 @@ def _converting_program(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmCon
         @pl.when(g >= ring)
         def _():
           plgpu.barrier_wait(consumed.at[slot])
-        for c in range(0, block_n, CONVERT_COLUMNS):
-          cols = slice(c, c + CONVERT_COLUMNS)
-          x = staged_smem[buffer, :, cols]
+        for piece in range(pieces_n):
+          x = staged_smem[buffer, piece]
           if not interpreted:   # (the interpreter has no layouts)
             x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-          b_smem[slot, :, cols] = x.astype(dtype)
+          b_smem[slot, :, piece * CONVERT_COLUMNS:(piece + 1) * CONVERT_COLUMNS] = x.astype(dtype)
         plgpu.commit_smem()   # the warpgroup's writes, visible to wgmma; its reads done
         plgpu.barrier_arrive(staged_free.at[buffer])
         plgpu.barrier_arrive(b_full.at[slot])
