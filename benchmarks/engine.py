@@ -8,9 +8,7 @@ configurations, in the same run: CUPTI device time, L2 flushed before every
 call, median (`benchmarks/timing.py`). Each engine result is checked first
 against the componentwise bound |C - C_ref| <= 2 γ_K (|A| |B|) of two fp32
 accumulations of the same exact products, and for bitwise equality of two
-calls. A config with `convert_b` reads B in fp32 (the same values) and rounds it in
-the kernel; for those rows the run also times XLA's cast of B to f16 followed by
-cuBLAS, the alternative it replaces. Writes `engine_<device>_<date>.{json,md}`.
+calls. Writes `engine_<device>_<date>.{json,md}`.
 """
 
 from __future__ import annotations
@@ -44,18 +42,6 @@ CONFIGS = {   # block (rows x columns), contraction step, stages, ...; "fN": N w
     "128x128 k64 st5 f1 e64x64 t16": C(tile_n=64, stages=5, mma_in_flight=1,
                                        epilogue_tile=(64, 64), tail_splits=16),
     "128x256 k64 st3 minor-m t16": C(stages=3, grid_minor="m", tail_splits=16),
-    # B read in fp32 and rounded in the kernel ("cN": N fp32 tiles of B in flight); what
-    # fits beside the fp32 tiles (benchmarks/NOTES.md, 67):
-    "128x128 k64 st4 e64x64x1 t16 convert": C(tile_n=64, stages=4, epilogue_buffers=1,
-                                              tail_splits=16, convert_b=True),
-    "128x128 k64 st3 c3 e64x32 t16 convert": C(tile_n=64, stages=3, convert_stages=3,
-                                               epilogue_tile=(64, 32), tail_splits=16,
-                                               convert_b=True),
-    # two 128x128 warpgroup tiles on 256 rows: as many L2 bytes per FLOP with an fp32 B as
-    # a 128x128 block with a 16-bit one
-    "256x128 k64 st3 c2 e64x32x1 t16 convert": C(split="m", stages=3, epilogue_tile=(64, 32),
-                                                 epilogue_buffers=1, tail_splits=16,
-                                                 convert_b=True),
 }
 
 
@@ -106,29 +92,20 @@ def main(argv=None):
       row = dict(seq_len=s, product=name, m=m, k=k, n=n, cublas_us=us,
                  cublas_tflops=flops / us / 1e6, engine={})
       print(f"S={s:6d} {name:30s} cuBLAS {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s", flush=True)
-      b32 = b.astype(jnp.float32)
-      if any(config.convert_b for config in configs.values()):   # what convert_b replaces
-        cast_cublas = jax.jit(lambda a, b32, d=dims(transpose_a): lax.dot_general(
-            a, b32.astype(jnp.float16), d, preferred_element_type=jnp.float32))
-        row["cast_cublas_us"] = timing.device_times_us(cast_cublas, a, b32,
-                                                       iterations=args.iterations).median_us
-        print(f"{'':13s}{'B cast to f16, then cuBLAS':30s} {row['cast_cublas_us']:8.1f} us",
-              flush=True)
       for label, config in configs.items():
         fn = jax.jit(functools.partial(engine.matmul, transpose_a=transpose_a, config=config))
-        operand_b = b32 if config.convert_b else b
         try:
-          out = fn(a, operand_b)
+          out = fn(a, b)
           excess = float(jnp.max(jnp.abs(out - ref) - bound))
           if not excess <= 0:
             print(f"    {label:28s} WRONG: exceeds the bound by {excess:.3e}", flush=True)
             row["engine"][label] = dict(error="exceeds bound")
             continue
-          if not bool(jnp.array_equal(out, fn(a, operand_b))):
+          if not bool(jnp.array_equal(out, fn(a, b))):
             print(f"    {label:28s} WRONG: two calls differ", flush=True)
             row["engine"][label] = dict(error="not deterministic")
             continue
-          us = timing.device_times_us(fn, a, operand_b, iterations=args.iterations).median_us
+          us = timing.device_times_us(fn, a, b, iterations=args.iterations).median_us
         except Exception as e:  # noqa: BLE001 - a config that does not fit: report, go on
           print(f"    {label:28s} {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
           row["engine"][label] = dict(error=type(e).__name__)
@@ -136,11 +113,9 @@ def main(argv=None):
         plan = engine.schedule(m, n, k, config, engine.num_sms())
         row["engine"][label] = dict(us=us, tflops=flops / us / 1e6, whole_blocks=plan.whole,
                                     tail_blocks=plan.tail, tail_splits=plan.splits)
-        against_cast = (f", {row['cast_cublas_us'] / us:.2f}x the cast and cuBLAS"
-                        if config.convert_b else "")
         print(f"    {label:34s} {us:8.1f} us {flops / us / 1e6:6.0f} TFLOP/s "
-              f"({row['cublas_us'] / us:.2f}x cuBLAS{against_cast}; {plan.whole} whole blocks, "
-              f"{plan.tail} in {plan.splits} parts)", flush=True)
+              f"({row['cublas_us'] / us:.2f}x cuBLAS; {plan.whole} whole blocks, {plan.tail} "
+              f"in {plan.splits} parts)", flush=True)
       rows.append(row)
   stem, date = result_stem(args.out, "engine")
   md = [f"# Mosaic GEMM engine against cuBLAS ({jax.devices()[0].device_kind}, {date}, "

@@ -161,35 +161,6 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   assert np.all(error <= bound), float(np.nanmax(error / bound))
 
 
-CONVERTING = {   # M, K, N, config, programs, out dtype
-    # 8 blocks on 2 programs: the rings run on across a program's blocks, 1 fp32 tile
-    "whole blocks, one fp32 tile in flight": (512, 256, 256, C(
-        tile_n=64, stages=3, convert_stages=1, convert_b=True), 2, jnp.float32),
-    # 4 blocks on 3 programs: the last block in 2 K-parts, summed by `write_tails`
-    "a split tail, 16-bit out": (256, 256, 256, C(
-        tile_n=64, stages=2, split="m", tail_splits=4, convert_b=True), 3, jnp.bfloat16),
-}
-
-
-@pytest.mark.parametrize("case", CONVERTING)
-def test_an_fp32_b_rounded_in_the_kernel_is_the_product_of_its_rounding(case):
-  """With `convert_b`, the fourth warpgroup rounds each fp32 tile of B to A's dtype as
-  `astype` does (to nearest, ties to even): the product is within the bound of
-  `a @ b.astype(bf16)` (fp32 B with bits below bf16's, so a rounding that differs from
-  astype's moves elements by a bf16 ulp of B's terms, far outside the fp32 bound)."""
-  m, k, n, config, programs, out_dtype = CONVERTING[case]
-  keys = jax.random.split(jax.random.key(11 + len(case)), 2)
-  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-  b = jax.random.normal(keys[1], (k, n), jnp.float32)
-  assert not bool(jnp.all(b == b.astype(jnp.bfloat16).astype(jnp.float32)))
-  out = engine.matmul(a, b, config=config, num_programs=programs, out_dtype=out_dtype,
-                      interpret=interpret_params.InterpretGPUParams())
-  assert out.shape == (m, n) and out.dtype == out_dtype
-  exact, bound = _exact_and_bound(a, b.astype(jnp.bfloat16), None, out_dtype)
-  error = np.abs(np.asarray(out, np.float64) - exact)   # every element written (NaN fails)
-  assert np.all(error <= bound), (case, float(np.nanmax(error / bound)))
-
-
 def test_row_and_column_scales_in_interpret_mode_within_their_bound():
   """`row_scale` and `col_scale` multiply the accumulator, of whole blocks and of the split
   tail's K-parts (the engine's unchained last-wave split, unscaled in the chained case

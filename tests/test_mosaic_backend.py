@@ -330,12 +330,9 @@ def test_its_config_files_cite_results_commits_and_notes_that_exist(path):
 def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None,
                 epilogue_operand=None, column_sums=None, line_maxima=False, row_scale=None,
                 col_scale=None, partial_reductions=False, out_rows=None, speculated_copies=0,
-                copy_scale=None, side_copies=(), config=None, **_):
+                copy_scale=None, side_copies=(), **_):
   """`engine.matmul`'s contract in jnp (float32-exact products of its 16-bit operands;
-  partial reductions as one part each; with `config.convert_b`, b rounded to a's dtype)."""
-  if config is not None and config.convert_b:
-    k = a.shape[0] if transpose_a else a.shape[1]
-    b = jnp.pad(b, ((0, k - b.shape[0]), (0, 0))).astype(a.dtype)
+  partial reductions as one part each)."""
   if side_copies:
     copies = []
     for x, rows, *scale in side_copies:   # scaled: (copy, its column maxima as one part)
@@ -425,91 +422,6 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
     copies.append(((64, 256), tokens))
   assert staged == copies
   assert side == (later if copy_programs else [])
-
-
-@pytest.mark.parametrize("converting, copy_programs", [
-    (("weight_grads",), 20), (("weight_grads", "rows"), 20), (("weight_grads", "rows"), 0)])
-def test_products_that_convert_read_their_fp32_inputs_as_given(monkeypatch, converting,
-                                                               copy_programs):
-  """A product whose config has convert_b gets its fp32 input itself (the engine rounds it
-  in the kernel as a copy would be rounded): the gradients are bitwise those of the copying
-  backward, and the input is neither staged nor copied beside the fused product, whose
-  copy programs are dropped when nothing is left for them (the engine a jnp stand-in)."""
-  calls = []
-
-  def recording_engine(a, b, *, side_copies=(), config=None, **kwargs):
-    calls.append((b.dtype, bool(config and config.convert_b),
-                  [(x.shape, rows) for x, rows in side_copies],
-                  config.copy_programs if config else 0))
-    return _jnp_engine(a, b, side_copies=side_copies, config=config, **kwargs)
-  monkeypatch.setattr(mosaic_backward.engine, "matmul", recording_engine)
-  staged, launch = [], mosaic_backward.staging.launch
-
-  def recording_launch(pairs, **kwargs):
-    staged.extend(job.shape for job, _ in pairs if getattr(job, "copies", 0))
-    return launch(pairs, **kwargs)
-  monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
-  engine_config = mosaic_backward.engine.GemmConfig(tile_n=64)
-  plain = {"fp32_inputs": ((None, engine_config),)}
-  fused = {"fp32_inputs": ((None, dataclasses.replace(engine_config,
-                                                      copy_programs=copy_programs)),)}
-  convert = {"fp32_inputs": ((None, dataclasses.replace(engine_config, convert_b=True)),)}
-  copying = dataclasses.replace(mosaic_backward.TABLES, pre_gelu=fused, rows=plain,
-                                weight_grads=plain)
-  converting_tables = dataclasses.replace(copying, **{name: convert for name in converting})
-  tokens = 61
-  inputs = helpers.backward_inputs(tokens, 128, 256)
-  problem = _problem(tokens, jnp.float32, DotMode.F16, 128, 256)
-  run = lambda tables: jax.jit(lambda *a: mosaic_backward.backward(
-      *a, problem=problem, tables=tables, interpret=True))(*inputs)
-  expected = run(copying)
-  calls.clear()
-  staged.clear()
-  outs = run(converting_tables)
-  for out, want in zip(outs, expected):
-    assert bool(jnp.array_equal(out, want)), "the converting products' gradients differ"
-  fc1_weight_as_given = "rows" in converting
-  # the fused product, the weight gradients, the input gradient (engine calls in order)
-  (_, _, side, programs), fc2_w, fc1_w, rows = calls
-  assert [c[:2] for c in (fc2_w, fc1_w)] == [(jnp.float32, True)] * 2
-  assert rows[:2] == ((jnp.float32, True) if fc1_weight_as_given else (jnp.float16, False))
-  if copy_programs and not fc1_weight_as_given:   # fc1_weight copied beside the product
-    assert side == [((256, 128), 256)] and programs == copy_programs
-    assert staged == [(tokens, 128), (128, 256)]  # grad_output, fc2_weight
-  else:
-    assert side == [] and programs == 0
-    assert staged == [(tokens, 128), *([] if fc1_weight_as_given else [(256, 128)]),
-                      (128, 256)]
-
-
-@needs_lowering
-@pytest.mark.parametrize("tokens", [2500, 8192])
-def test_the_backward_with_converting_products_lowers_at_full_size(tokens):
-  """The benchmarked converting configs (benchmarks/engine.py) for both plain products,
-  with the fused product of the table: it runs without copy programs and nothing but
-  grad_output and fc2_weight is staged."""
-  from benchmarks import engine as engine_benchmark
-  config = engine_benchmark.CONFIGS["128x128 k64 st4 e64x64x1 t16 convert"]
-  convert = {"fp32_inputs": ((None, config),)}
-  tables = dataclasses.replace(mosaic_backward.TABLES, rows=convert, weight_grads=convert)
-  problem = _problem(tokens)
-  lowered = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables)
-                    ).trace(*_abstract_inputs(tokens, jnp.float32)).lower(
-                        lowering_platforms=("cuda",))
-  assert [o.shape for o in lowered.out_info] == [(tokens, H), (I, H), (I,), (H, I), (H,)]
-  assert lowered.as_text().count("stablehlo.dot_general") == 0
-
-
-def test_only_the_plain_products_on_fp32_inputs_convert():
-  convert = mosaic_backward.engine.GemmConfig(tile_n=64, convert_b=True)
-  for inputs, name, problem in [
-      ("fp32_inputs", "pre_gelu", _problem(512)),
-      ("sixteen_bit_inputs", "weight_grads", _problem(512, jnp.bfloat16, DotMode.BF16)),
-      ("tf32_on_f16", "rows", _problem(512, mode=DotMode.TF32))]:
-    tables = dataclasses.replace(mosaic_backward.TABLES, **{name: {inputs: ((None, convert),)}})
-    with pytest.raises(ValueError, match="convert_b .* only the input gradient's and the "
-                                         "weight gradients' products on fp32 inputs"):
-      tables.configs(problem)
 
 
 def test_tf32_refuses_xla_dots():

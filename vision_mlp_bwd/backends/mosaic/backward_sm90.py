@@ -16,10 +16,7 @@ input dtype, as `jnp.matmul` returns it. Where its config has copy programs
 (fp32 inputs), the staging launch copies only grad_output and fc2_weight, and
 the fused product's launch copies hidden_state, gelu_output and fc1_weight on
 SMs of its own, while the rest compute its blocks (`engine.matmul`'s side
-copies): the same copies, made beside the product instead of before it. A plain
-product whose config has `convert_b` reads its fp32 input (hidden_state,
-gelu_output, fc1_weight) as given and rounds it in the kernel, so that input is
-neither staged nor copied.
+copies): the same copies, made beside the product instead of before it.
 Numerically it is the XLA backward with another fp32 accumulation order. The
 three plain products run on the engine or, where the tables say so (`XLA_DOT`:
 cuBLAS measured faster on the H200), as XLA's dot of the same staged operands;
@@ -174,11 +171,6 @@ class Tables:
       inputs = "tf32_on_f16" if problem.mode == DotMode.TF32 else "fp32_inputs"
     configs = tuple(self.config_for(table, inputs, problem.tokens)
                     for table in (self.pre_gelu, self.rows, self.weight_grads))
-    converting = [isinstance(c, engine.GemmConfig) and c.convert_b for c in configs]
-    if converting[0] or any(converting) and inputs != "fp32_inputs":
-      raise ValueError(f"the {inputs} tables give GemmConfig.convert_b at S={problem.tokens}: "
-                       f"it reads an fp32 input as given, which only the input gradient's and "
-                       f"the weight gradients' products on fp32 inputs (F16, BF16) do")
     if XLA_DOT in configs and (problem.mode == DotMode.TF32 or (
         configs[0] is XLA_DOT and inputs != "fp32_inputs")):
       raise ValueError(f"the {inputs} tables give XLA's dot at S={problem.tokens} where only "
@@ -240,31 +232,18 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
               else padded)
   inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
   gelu_rows = problem.tokens if inputs_for_fc2_weight else padded
-  # A product whose config has convert_b reads its fp32 input as given (hidden_state and
-  # gelu_output for the weight gradients, fc1_weight for the input gradient) and rounds
-  # it in the kernel: that input is not copied. With copy programs, the fused product's
-  # launch copies the other inputs only the products after it read, beside its blocks
-  # (none left: no copy programs).
-  converts = lambda config: isinstance(config, engine.GemmConfig) and config.convert_b
-  later = {1: (hidden_state, pre_rows), 2: (gelu_output, gelu_rows),
-           3: (fc1_weight, fc1_weight.shape[0])}
-  as_given = {1, 2} if converts(weight_config) else set()
-  as_given |= {3} if converts(rows_config) else set()
+  # With copy programs, the fused product's launch copies the operands only the products
+  # after it read (hidden_state, gelu_output, fc1_weight) beside its blocks.
   side = isinstance(pre_config, engine.GemmConfig) and pre_config.copy_programs > 0
-  if side and len(as_given) == len(later):
-    side, pre_config = False, dataclasses.replace(pre_config, copy_programs=0)
-  copied = [i for i in later if i not in as_given]
-  staged = [0, 4] + ([] if side else copied)
-  operands = list(_staged_operands(
+  (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
-      interpret, hidden_rows=pre_rows, gelu_rows=gelu_rows, staged=staged))
-  side_copies = tuple(later[i] for i in copied) if side else ()
+      interpret, hidden_rows=pre_rows, gelu_rows=gelu_rows, staged=(0, 4) if side else None)
+  side_copies = ((hidden_state, pre_rows), (gelu_output, gelu_rows),
+                 (fc1_weight, fc1_weight.shape[0])) if side else ()
   (grad_pre16, fc1_bias_parts), copies = _pre_gelu_grad(
-      operands[0][0], operands[4], fc1_output, pre_config, problem, pre_rows, interpret,
-      side_copies)
-  for i, copy in zip(copied if side else (), copies):
-    operands[i] = copy
-  (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, _ = operands
+      grad_out16, w2, fc1_output, pre_config, problem, pre_rows, interpret, side_copies)
+  if side:
+    hidden16, gelu16, w1 = copies
   grad_fc2_weight = _weight_grad(grad_output if inputs_for_fc2_weight else grad_out16, gelu16,
                                  weight_config, problem)
   grad_fc1_weight = _weight_grad(grad_pre16, hidden16, weight_config, problem)

@@ -74,12 +74,6 @@ never overlap). The backward gives them the casts that only the products after t
 one read: their SMs would otherwise idle in a last partial wave, or cost the product
 fewer than the pass saves (benchmarks/NOTES.md, 55).
 
-In-kernel conversion (`GemmConfig.convert_b`): `B` arrives in fp32 and a fourth
-warpgroup rounds each of its tiles to `A`'s dtype in shared memory between the TMA load
-and the MMAs (`_converting_program`), so a product over an fp32 input needs no 16-bit
-copy of it in HBM: the backward's weight gradients can read hidden_state and gelu_output,
-and its input gradient fc1_weight, as given.
-
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
 count that is a multiple of 8 and a row length that is a multiple of 64
@@ -140,11 +134,6 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
-  # B arrives in fp32 and a fourth warpgroup rounds it to A's dtype in the kernel
-  # (`_converting_program`), `convert_stages` fp32 tiles of it in flight; no 16-bit copy
-  # of B goes through HBM. Its compute loop keeps one wgmma group in flight.
-  convert_b: bool = False
-  convert_stages: int = 2
 
   @property
   def block(self) -> tuple[int, int]:
@@ -160,22 +149,16 @@ class GemmConfig:
     if self.tail_splits < 1 or self.epilogue_buffers not in (1, 2):
       raise ValueError(f"GemmConfig.tail_splits must be >= 1 and epilogue_buffers 1 or 2: "
                        f"{self}")
-    if self.convert_stages < 1 or self.convert_b and (
-        self.ping_pong or self.chained or self.block[1] % CONVERT_COLUMNS):
-      raise ValueError(f"GemmConfig.convert_stages must be >= 1, and convert_b runs its own "
-                       f"pipeline (not ping_pong or chained) over blocks of whole "
-                       f"{CONVERT_COLUMNS}-column pieces: {self}")
-    if (self.ping_pong or self.convert_b) and self.stages < 2:
-      # (their compute warpgroups free a ring slot one step late: one slot would deadlock)
-      raise ValueError(f"GemmConfig.ping_pong and convert_b take stages >= 2: {self}")
     if self.copy_programs < 0:
       raise ValueError(f"GemmConfig.copy_programs must be >= 0: {self}")
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
-    if self.ping_pong and (self.chained or self.tail_splits > 1 or self.tile_k != 64):
+    if self.ping_pong and (self.chained or self.tail_splits > 1 or self.tile_k != 64
+                           or self.stages < 2):
+      # (a compute warpgroup frees its ring slot one step late: one slot would deadlock)
       raise ValueError(f"GemmConfig.ping_pong runs whole blocks through one ring of 64-deep "
-                       f"steps: chained=False, tail_splits=1, tile_k=64: {self}")
+                       f"steps: chained=False, tail_splits=1, tile_k=64, stages >= 2: {self}")
     epi_m, epi_n = self.epilogue_tile
     if self.ping_pong and (epi_m % 64 or self.tile_m % epi_m or self.tile_n % epi_n):
       raise ValueError(f"GemmConfig.ping_pong cuts its tile into epilogue_tile pieces of whole "
@@ -189,11 +172,6 @@ SMEM_ALIGNMENT_BYTES = 1024        # where Pallas starts each shared-memory buff
 # Registers per thread (65536 per SM): the memory warpgroup's, and a ping-pong program's
 # compute warpgroups' (the cooperative pipeline gives its compute warpgroups the rest)
 MEMORY_REGISTERS, PING_PONG_COMPUTE_REGISTERS = 40, 232
-# ... and a converting program's four: memory, converting and two compute warpgroups
-# (40 + 72 + 2 x 200 = 512: the SM's 65536 over four warpgroups of 128 threads, which
-# start at 128 each)
-CONVERTING_REGISTERS, CONVERTING_COMPUTE_REGISTERS = 72, 200
-CONVERT_COLUMNS = 64   # columns of B the converting warpgroup rounds at a time
 COLUMN_SUMS = (None, "stored", "unrounded")
 # Side copies: fp32 tiles of COPY_TILE, COPY_LOADS of them in flight per warpgroup, rounded
 # in registers into COPY_STORES 16-bit buffers stored by TMA (no swizzle: a row-major
@@ -238,8 +216,6 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
   epi_m, epi_n = config.epilogue_tile
   stages = min(config.stages, k_steps) * config.tile_k * jnp.dtype(dtype).itemsize
   buffers = [stages * block_m, stages * block_n]   # the A and B rings
-  if config.convert_b:   # B's fp32 tiles, before the converting warpgroup rounds them
-    buffers.append(min(config.convert_stages, k_steps) * config.tile_k * block_n * 4)
   slots = min(config.epilogue_buffers, (config.tile_m // epi_m) * (config.tile_n // epi_n))
   if out_dtype is not None:
     buffers.append(2 * slots * epi_m * epi_n * jnp.dtype(out_dtype).itemsize)
@@ -385,25 +361,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   whose first element is a power of two) is copied as
   `precision.scaled_f16_operand(x, scale[0])`, and its copy comes as `(copy, partial
   maxima [P, C])`: the largest finite |x| of each column, in P partial rows, which a
-  checked `staging.Cast` reduces. With `config.convert_b`, `b` is float32 (`[K', N]`,
-  K - 8 < K' <= K: rows past K' read as zeros), rounded to a's dtype in the kernel, and
-  the product is plain (no epilogue, scales or copies). `interpret` is
+  checked `staging.Cast` reduces. `interpret` is
   `plgpu.kernel`'s
   (Pallas's GPU interpret mode runs the kernel on a CPU, unwritten output elements NaN:
   the tests')."""
-  converts_b = config.convert_b
-  if jnp.dtype(a.dtype).itemsize != 2 or b.dtype != (jnp.float32 if converts_b else a.dtype):
-    raise TypeError(f"matmul takes a 16-bit a and b of its dtype, or with "
-                    f"GemmConfig.convert_b a float32 b (rounded to a's dtype in the kernel); "
-                    f"got a {a.dtype}, b {b.dtype}, convert_b={converts_b}.")
-  if converts_b and (epilogue is not None or row_scale is not None or speculated_copies
-                     or side_copies or out_dtype is None):
-    raise ValueError(f"matmul: GemmConfig.convert_b runs a plain product into an output: no "
-                     f"epilogue, scales, speculated or side copies.")
+  if a.dtype != b.dtype or jnp.dtype(a.dtype).itemsize != 2:
+    raise TypeError(f"matmul takes two operands of one 16-bit dtype; got a {a.dtype}, "
+                    f"b {b.dtype}.")
   (m, k) = a.shape[::-1] if transpose_a else a.shape
-  if b.shape[0] != k and not (converts_b and k - 8 < b.shape[0] < k):
-    raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N] "
-                     f"(a float32 b: [K', N], K - 8 < K' <= K, its rows past K' zeros).")
+  if b.shape[0] != k:
+    raise ValueError(f"matmul: op(a) is [{m}, {k}] but b has shape {b.shape}; expected [{k}, N].")
   n = b.shape[1]
   piece_bytes = config.epilogue_tile[1] * jnp.dtype(out_dtype or jnp.float32).itemsize
   if piece_bytes < SWIZZLE:   # (the output's pieces; a copy's swizzle is as wide as its rows)
@@ -497,7 +464,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
                              stores_out=out_dtype is not None,
                              side_copies=tuple(len(side) == 3 for side in side_copies),
-                             copy_programs=config.copy_programs, interpreted=interpret is not None)
+                             copy_programs=config.copy_programs)
   out_types = [] if out_dtype is None else [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
@@ -519,8 +486,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                 for i in scaled_copies]
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
-      grid=(programs,), grid_names=("program",), num_threads=4 if converts_b else 3,
-      thread_name="wg",
+      grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math, **_TRACE),
       **({} if interpret is None else dict(interpret=interpret)),
@@ -597,7 +563,7 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
             line_maxima: bool, speculated_copies: int, stores_out: bool,
-            side_copies: tuple[bool, ...], copy_programs: int, interpreted: bool):
+            side_copies: tuple[bool, ...], copy_programs: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -617,10 +583,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   if side_copies:
     _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs,
                 scales=scales, maxima=maxima)
-  if config.convert_b:
-    _converting_program(a_gmem, b_gmem, *refs, config=config, transpose_a=transpose_a,
-                        plan=plan, interpreted=interpreted)
-  elif config.ping_pong:
+  if config.ping_pong:
     _ping_pong_program(a_gmem, b_gmem, operand_gmem, *refs, config=config, plan=plan,
                        epilogue=epilogue, column_sums=column_sums)
   else:
@@ -1048,203 +1011,6 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
                 sums_smem.at[wg],
                 sums_gmem.at[lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's sums
-      plgpu.wait_smem_to_gmem(0)
-
-
-def _converting_program(a_gmem, b_gmem, out_gmem, *partial_gmem, config: GemmConfig,
-                        transpose_a: bool, plan: Schedule, interpreted: bool):
-  """One program's blocks (then K-parts) of `op(a) @ b` with `b` in fp32, rounded to a's
-  dtype in the kernel: a cooperative pipeline of four warpgroups. The memory warpgroup
-  streams A's tiles by TMA into the operand ring and B's fp32 tiles into a ring of
-  `convert_stages` buffers; the converting warpgroup rounds each fp32 tile into the
-  operand ring's B buffer (swizzled for wgmma) and frees the fp32 buffer; the two compute
-  warpgroups accumulate the block's two halves as `_product_program`'s do. So each fp32
-  element is rounded once per read, and no 16-bit copy of B goes through HBM.
-
-  Barriers per ring slot: `a_full` (TMA), `b_full` (the converter), `consumed` (both
-  compute warpgroups); per fp32 buffer: `staged` (TMA) and `staged_free` (the converter).
-  A program's blocks and K-parts run through the rings in order, step g of all of them
-  in slot g mod stages, so the next block's tiles load while this one's epilogue runs."""
-  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
-  tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
-  block_m, block_n = config.block
-  epi_m, epi_n = config.epilogue_tile
-  pieces = [(pm, pn) for pm in range(tile_m // epi_m) for pn in range(tile_n // epi_n)]
-  slots = min(config.epilogue_buffers, len(pieces))
-  longest = max(plan.k_steps, plan.steps_per_split if partial_gmem else 0)
-  ring = min(config.stages, longest)
-  staging = min(config.convert_stages, longest)
-  program = lax.axis_index("program")
-  whole_here = _count_here(plan.whole, program, plan.programs)
-  items_here = whole_here + (_count_here(plan.tail * plan.splits, program, plan.programs)
-                             if partial_gmem else 0)
-  grid_n = plan.grid_mn[1]
-
-  def item(local):
-    """The program's local-th block or K-part: (block row, block column, first step,
-    steps, the first of its steps in the rings' order, whole?, its partial index)."""
-    whole = local < whole_here
-    bm, bn = _whole_block(program + local * plan.programs, plan, config)
-    part = program + (local - whole_here) * plan.programs
-    part_bm, part_bn = jnp.divmod(plan.whole + part // plan.splits, grid_n)
-    return (lax.select(whole, bm, part_bm), lax.select(whole, bn, part_bn),
-            lax.select(whole, 0, (part % plan.splits) * plan.steps_per_split),
-            lax.select(whole, plan.k_steps, plan.steps_per_split),
-            lax.select(whole, local * plan.k_steps, whole_here * plan.k_steps
-                       + (local - whole_here) * plan.steps_per_split), whole, part)
-
-  a_tile = (tile_k, block_m) if transpose_a else (block_m, tile_k)
-  # TMA reaches a ragged fp32 B through tiles of one row, whose swizzle is right only
-  # from a 1024-byte boundary: so each piece the converter rounds is a buffer of its own.
-  b_rows = tma_tile_rows(b_gmem.shape[0])
-  pieces_n = block_n // CONVERT_COLUMNS
-  scratch = dict(
-      a_smem=plgpu.SMEM((ring, *a_tile), dtype, transforms=swizzled_tiles(dtype)),
-      b_smem=plgpu.SMEM((ring, tile_k, block_n), dtype, transforms=swizzled_tiles(dtype)),
-      staged_smem=plgpu.SMEM((staging, pieces_n, tile_k, CONVERT_COLUMNS), jnp.float32,
-                             transforms=swizzled_tiles(jnp.float32, b_rows)),
-      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
-                          transforms=swizzled_tiles(out_dtype, tma_tile_rows(out_gmem.shape[0]))),
-      a_full=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
-      b_full=plgpu.Barrier(num_arrivals=1, num_barriers=ring),
-      consumed=plgpu.Barrier(num_arrivals=2, num_barriers=ring),
-      staged=plgpu.Barrier(num_arrivals=pieces_n, num_barriers=staging),   # a TMA a piece
-      staged_free=plgpu.Barrier(num_arrivals=1, num_barriers=staging))
-  if partial_gmem and _partials_need_own_buffer(out_dtype):
-    scratch.update(partial_smem=plgpu.SMEM((2, 1, epi_m, epi_n), jnp.float32,
-                                           transforms=swizzled_tiles(jnp.float32)))
-
-  def each_step(body):
-    """Runs `body(item(local), step within the item, step in the rings)` over the
-    program's items in order."""
-    @pl.loop(0, items_here)
-    def _item(local):
-      place = item(local)
-
-      @pl.loop(0, place[3])
-      def _step(kk):
-        body(place, kk, place[4] + kk)
-
-  def drain(barriers, count):
-    """Waits on the phases of `barriers` (one per ring slot) that the program's last
-    `count` steps complete: a warpgroup that waits on a barrier waits on every phase."""
-    steps = whole_here * plan.k_steps + (items_here - whole_here) * plan.steps_per_split
-    pl.loop(jnp.maximum(steps - count, 0), steps)(
-        lambda g: plgpu.barrier_wait(barriers.at[lax.rem(g, count)]))
-
-  @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(a_smem, b_smem, staged_smem, out_smem, a_full, b_full, consumed, staged,
-             staged_free, partial_smem=None):
-    wg = lax.axis_index("wg")
-
-    @pl.when(wg == 2)
-    def _memory():
-      plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-      @each_step
-      def _load(place, kk, g):
-        bm, bn, first = place[:3]
-        slot, buffer = lax.rem(g, ring), lax.rem(g, staging)
-        k = pl.ds((first + kk) * tile_k, tile_k)
-        rows = pl.ds(bm * block_m, block_m)
-
-        @pl.when(g >= ring)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
-        plgpu.copy_gmem_to_smem(a_gmem.at[k, rows] if transpose_a else a_gmem.at[rows, k],
-                                a_smem.at[slot], a_full.at[slot])
-
-        @pl.when(g >= staging)
-        def _():
-          plgpu.barrier_wait(staged_free.at[buffer])
-        for piece in range(pieces_n):
-          plgpu.copy_gmem_to_smem(
-              b_gmem.at[k, pl.ds(bn * block_n + piece * CONVERT_COLUMNS, CONVERT_COLUMNS)],
-              staged_smem.at[buffer, piece], staged.at[buffer])
-
-      drain(consumed, ring)
-      drain(staged_free, staging)
-
-    @pl.when(wg == 3)
-    def _convert():
-      plgpu.set_max_registers(CONVERTING_REGISTERS, action="decrease")   # (from 128)
-
-      @each_step
-      def _round(place, kk, g):
-        slot, buffer = lax.rem(g, ring), lax.rem(g, staging)
-        plgpu.barrier_wait(staged.at[buffer])
-
-        @pl.when(g >= ring)
-        def _():
-          plgpu.barrier_wait(consumed.at[slot])
-        for piece in range(pieces_n):
-          x = staged_smem[buffer, piece]
-          if not interpreted:   # (the interpreter has no layouts)
-            x = plgpu.layout_cast(x, plgpu.Layout.WGMMA)
-          b_smem[slot, :, piece * CONVERT_COLUMNS:(piece + 1) * CONVERT_COLUMNS] = x.astype(dtype)
-        plgpu.commit_smem()   # the warpgroup's writes, visible to wgmma; its reads done
-        plgpu.barrier_arrive(staged_free.at[buffer])
-        plgpu.barrier_arrive(b_full.at[slot])
-      drain(consumed, ring)
-
-    @pl.when(wg < 2)
-    def _compute():
-      plgpu.set_max_registers(CONVERTING_COMPUTE_REGISTERS, action="increase")
-      if config.split == "m":
-        wg_rows, wg_cols, wg_origin = pl.ds(wg * tile_m, tile_m), slice(None), (wg * tile_m, 0)
-      else:
-        wg_rows, wg_cols, wg_origin = slice(None), pl.ds(wg * tile_n, tile_n), (0, wg * tile_n)
-
-      @pl.loop(0, items_here)
-      def _item(local):
-        bm, bn, _, steps, g0, whole, part = item(local)
-
-        def accumulate(acc_ref):
-          def step(kk, carry):
-            slot = lax.rem(g0 + kk, ring)
-            plgpu.barrier_wait(a_full.at[slot])
-            plgpu.barrier_wait(b_full.at[slot])
-            a = a_smem.at[slot]
-            a = (a.at[:, wg_rows] if config.split == "m" else a).transpose((1, 0)) \
-                if transpose_a else a.at[wg_rows]
-            plgpu.wgmma(acc_ref, a, b_smem.at[slot, :, wg_cols])
-            plgpu.wgmma_wait(1)   # the step before is done: its slot is free
-
-            @pl.when(kk > 0)
-            def _():
-              plgpu.barrier_arrive(consumed.at[lax.rem(g0 + kk - 1, ring)])
-            return carry
-          lax.fori_loop(0, steps, step, None)
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(consumed.at[lax.rem(g0 + steps - 1, ring)])
-          return acc_ref[...]
-        with jax.named_scope("mainloop"):
-          acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
-
-        def store(value, buffers, target):
-          """The warpgroup's tile to `target(rows, columns)` by TMA, in pieces."""
-          for p, (pm, pn) in enumerate(pieces):
-            rows = slice(pm * epi_m, (pm + 1) * epi_m)
-            cols = slice(pn * epi_n, (pn + 1) * epi_n)
-            slot = p % buffers.shape[1]
-            plgpu.wait_smem_to_gmem(buffers.shape[1] - 1, wait_read_only=True)
-            buffers[wg, slot] = value[rows, cols].astype(buffers.dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(buffers.at[wg, slot], target(
-                pl.ds(wg_origin[0] + pm * epi_m, epi_m), pl.ds(wg_origin[1] + pn * epi_n, epi_n)))
-
-        with jax.named_scope("epilogue"):
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the last tile's stores
-
-          @pl.when(whole)
-          def _():
-            store(acc, out_smem, lambda rows, cols: out_gmem.at[
-                pl.ds(bm * block_m, block_m), pl.ds(bn * block_n, block_n)].at[rows, cols])
-          if partial_gmem:
-            @pl.when(jnp.logical_not(whole))
-            def _():
-              store(acc, out_smem if partial_smem is None else partial_smem,
-                    lambda rows, cols: partial_gmem[0].at[part, rows, cols])
       plgpu.wait_smem_to_gmem(0)
 
 
