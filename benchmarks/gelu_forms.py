@@ -6,10 +6,10 @@ and `mosaic_probe`), so the same kernels run with only the elementwise
 epilogue changed. "tanh" is the contract's formula as written;
 "one_exp_rsqrt" the package's form until 2026-12 (r = rsqrt(1 + exp(-2u))^2,
 r (1 - r) formed by cancellation: fp32 error up to 5.4e-6 on some CPUs);
-"no_cancellation" the package's form now (benchmarks/NOTES.md, 25), and two
-variants of it that timed the same in the Mosaic launch 1; "folded", the same
-terms with the constants folded into fewer instructions, and "folded_rsqrt",
-that with 1 / (1 + t) as rsqrt((1 + t)^2): candidates, not yet timed (NOTES 66).
+"no_cancellation" the package's form from 2026-12 (benchmarks/NOTES.md, 25), and two
+variants of it that timed the same in the Mosaic launch 1; "folded", the package's
+form now: the same terms with the constants folded into fewer instructions (NOTES 66,
+68; a variant with 1 / (1 + t) as rsqrt((1 + t)^2) timed no better).
 """
 
 from __future__ import annotations
@@ -38,31 +38,15 @@ def one_exp_rsqrt_form(x):
   return r + r * (slope * (1.0 - r))
 
 
-# -2 sqrt(2/pi) log2(e) and its product with 0.044715: exp(-2|u|) as one exp2
-_EXP2_LINEAR = -2.0 * SQRT_2_OVER_PI * 1.4426950408889634
-_EXP2_CUBIC = _EXP2_LINEAR * GELU_CUBIC
-
-
-def _folded(x, reciprocal):
-  """The package's form with its constants folded (NOTES 66): t = exp2(|x| (a x^2 + b)),
-  p = reciprocal(1 + t), and the last term as multiply-adds. The last factor keeps the
-  contract's (3 * 0.044715 x) x, so it overflows to NaN where the contract's formula does."""
+def no_cancellation_form(x):
+  """The package's form from NOTES 25 until the constants were folded (NOTES 68):
+  t = exp(-2|u|), p = 1 / (1 + t), r + t p^2 x u'(x) * 2."""
   x2 = x * x
-  t = jnp.exp2(jnp.abs(x) * (x2 * _EXP2_CUBIC + _EXP2_LINEAR))
-  p = reciprocal(1.0 + t)
-  tp = t * p
-  return (jnp.where(x >= 0, p, tp)
-          + ((tp * p * x) * (2.0 * SQRT_2_OVER_PI)) * ((3.0 * GELU_CUBIC * x) * x + 1.0))
-
-
-def folded_form(x):
-  """`_folded` with p = 1 / (1 + t)."""
-  return _folded(x, lambda v: 1.0 / v)
-
-
-def folded_rsqrt_form(x):
-  """`_folded` with p = rsqrt((1 + t)^2)."""
-  return _folded(x, lambda v: lax.rsqrt(v * v))
+  t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
+  p = 1.0 / (1.0 + t)
+  r = jnp.where(x >= 0, p, t * p)
+  q = t * p * p
+  return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
 
 
 def clamped_exp_form(x):
@@ -83,9 +67,9 @@ def shared_tp_form(x):
 
 
 FORMS = {"tanh": contract_tanh_form, "one_exp_rsqrt": one_exp_rsqrt_form,
-         "no_cancellation": reference.gelu_tanh_grad,
+         "no_cancellation": no_cancellation_form,
          "clamped_exp": clamped_exp_form, "shared_tp": shared_tp_form,
-         "folded": folded_form, "folded_rsqrt": folded_rsqrt_form}
+         "folded": reference.gelu_tanh_grad}
 PACKAGE_FORM = reference.gelu_tanh_grad
 
 

@@ -302,14 +302,14 @@ def test_a_variants_gelu_form_is_what_its_epilogue_traces(tmp_path, monkeypatch)
     monkeypatch.setattr(module.engine, "matmul", engine)
   monkeypatch.setattr(timing, "device_times_us",
                       lambda fn, *a, **_: timing.wall_times_us(fn, *a, warmup=0, iterations=1))
-  variants = ["{}", '{"gelu_form": "folded"}']
+  variants = ["{}", '{"gelu_form": "no_cancellation"}']
   epilogue_costs.main(["--seq-lens", "16", "--size", "64x128", "--iterations", "1",
                        "--steps", "f16: + GELU derivative", "--variants", *variants,
                        "--out", str(tmp_path)])
   backward_configs.main(["--table", "tf32_on_f16", "--product", "pre_gelu", "--seq-lens", "8",
                          "--size", "64x128", "--iterations", "1", "--variants", *variants,
                          "--out", str(tmp_path)])
-  package, folded = gelu_forms.PACKAGE_FORM, gelu_forms.FORMS["folded"]
-  assert package is not folded
-  assert seen == [package, folded, package, folded]
+  package, previous = gelu_forms.PACKAGE_FORM, gelu_forms.FORMS["no_cancellation"]
+  assert package is not previous
+  assert seen == [package, previous, package, previous]
   assert reference.gelu_tanh_grad is package

@@ -14,6 +14,9 @@ from vision_mlp_bwd.precision import DotMode, canonicalize, for_inputs, xla_dot_
 
 SQRT_2_OVER_PI = 0.7978845608028654
 GELU_CUBIC = 0.044715
+# -2 sqrt(2/pi) log2(e) and its product with 0.044715: exp(-2|u|) as one exp2
+_EXP2_LINEAR = -2.0 * SQRT_2_OVER_PI * 1.4426950408889634
+_EXP2_CUBIC = _EXP2_LINEAR * GELU_CUBIC
 
 # dot_general dimension numbers for the four products of the MLP.
 _ROWS_TIMES_WEIGHT_T = (((1,), (1,)), ((), ()))   # [S,K] x [N,K] -> [S,N]
@@ -34,20 +37,22 @@ def gelu_tanh_grad(x):
   r + q x * 2 sqrt(2/pi) (1 + 3 * 0.044715 x^2), where r = (1 + tanh u) / 2 is p
   for u >= 0 and t p for u < 0, and q = r (1 - r) = t p^2. No term is formed
   by subtracting nearly equal numbers (`1 - r` was, for x >~ 3), and t <= 1
-  cannot overflow. In fp32 it is within 5e-7 of the float64 value on
-  [-12, 12] whichever exp XLA's CPU backend picks (tests/test_gelu.py). The
-  products are ordered as the contract's, so it overflows to NaN where that
-  formula does (|x| > ~1.8e19, x = +-inf) and keeps the limits 0 and 1
-  elsewhere. Shared by the reference and every kernel (plain `jnp`, so it
-  traces inside Pallas too); computed in the dtype of `x`, and kernels pass
-  fp32.
+  cannot overflow. t is one exp2 with the constants folded in (-2 sqrt(2/pi)
+  log2(e) and its product with 0.044715): fewer instructions in the kernels'
+  epilogues (benchmarks/NOTES.md, 66 and 68). In fp32 it is within 5e-7 of the
+  float64 value on [-12, 12] whichever exp XLA's CPU backend picks
+  (tests/test_gelu.py). The last factor keeps the contract's (3 * 0.044715 x) x,
+  so it overflows to NaN where that formula does (|x| > ~1.8e19, x = +-inf) and
+  keeps the limits 0 and 1 elsewhere. Shared by the reference and every kernel
+  (plain `jnp`, so it traces inside Pallas too); computed in the dtype of `x`,
+  and kernels pass fp32.
   """
   x2 = x * x
-  t = jnp.exp(jnp.abs(x) * (-2.0 * SQRT_2_OVER_PI) * (1.0 + GELU_CUBIC * x2))
+  t = jnp.exp2(jnp.abs(x) * (x2 * _EXP2_CUBIC + _EXP2_LINEAR))
   p = 1.0 / (1.0 + t)
-  r = jnp.where(x >= 0, p, t * p)
-  q = t * p * p
-  return r + (q * x) * (2.0 * SQRT_2_OVER_PI) * (1.0 + 3.0 * GELU_CUBIC * x * x)
+  tp = t * p
+  return (jnp.where(x >= 0, p, tp)
+          + ((tp * p * x) * (2.0 * SQRT_2_OVER_PI)) * ((3.0 * GELU_CUBIC * x) * x + 1.0))
 
 
 def mlp_forward(hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bias, *, precision=None):
