@@ -42,7 +42,7 @@ def gelu_tanh_grad(x):
   epilogues (benchmarks/NOTES.md, 66 and 68). In fp32 it is within 5e-7 of the
   float64 value on [-12, 12] whichever exp XLA's CPU backend picks
   (tests/test_gelu.py). The last factor keeps the contract's (3 * 0.044715 x) x,
-  so it overflows to NaN where that formula does (|x| > ~1.8e19, x = +-inf) and
+  so it overflows to NaN where that formula does (|x| >~ 5e19, x = +-inf) and
   keeps the limits 0 and 1 elsewhere. Shared by the reference and every kernel
   (plain `jnp`, so it traces inside Pallas too); computed in the dtype of `x`,
   and kernels pass fp32.
