@@ -67,9 +67,11 @@ def step_fn(step: str, tokens: int, variant=None):
   if config is backward_sm90.XLA_DOT:
     raise SystemExit(f"S={tokens}: the {inputs} table runs the pre-GELU product as XLA's dot, "
                      "with no engine epilogue to time")
-  # The product alone, on every SM: the table's copy programs copy the backward's inputs.
+  # The product alone, on every SM: the table's copy programs (or warpgroup) copy the
+  # backward's inputs.
   config = dataclasses.replace(
-      variant_config(config, variant_parts(variant or {})[0]), copy_programs=0)
+      variant_config(config, variant_parts(variant or {})[0]), copy_programs=0,
+      copy_warpgroup=False)
   options = dict(options)
   scaled = options.pop("scaled", False)
   operand_rows = options.pop("operand_rows", None)

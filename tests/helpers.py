@@ -6,6 +6,7 @@ model and the chex check against it are in `tests/bounds.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 
@@ -22,6 +23,20 @@ OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_
              "grad_fc2_bias")
 
 _seeds = itertools.count(1234)
+
+
+def copy_warpgroup_tables(tokens: int, tables=None):
+  """`tables` (default: the Mosaic backward's default tables), with the fused product's
+  config on fp32 inputs at S=`tokens` (ping-pong, with copy programs) making its side
+  copies by a fourth, copy warpgroup of every program instead
+  (`GemmConfig.copy_warpgroup`; 4 ring stages, so the copier's buffers fit beside them)."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  tables = tables or backward_sm90.TABLES
+  config = tables.config_for(tables.pre_gelu, "fp32_inputs", tokens)
+  assert config.ping_pong and config.copy_programs, config
+  config = dataclasses.replace(config, stages=4, copy_programs=0, copy_warpgroup=True)
+  return dataclasses.replace(tables, pre_gelu={**tables.pre_gelu,
+                                               "fp32_inputs": ((None, config),)})
 
 
 def fresh_key():

@@ -119,6 +119,17 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
     engine.matmul(a16, b16, config=copying, side_copies=[(x32, 64)], num_programs=4)
   with pytest.raises(ValueError, match="copy_programs must be >= 0"):
     engine.GemmConfig(copy_programs=-1)
+  with pytest.raises(ValueError, match="copy_warpgroup is a ping-pong program's fourth"):
+    engine.GemmConfig(copy_warpgroup=True)
+  with pytest.raises(ValueError, match="copy_warpgroup is a ping-pong program's fourth"):
+    engine.GemmConfig(ping_pong=True, copy_warpgroup=True, copy_programs=4)
+  copier = engine.GemmConfig(ping_pong=True, stages=2, copy_warpgroup=True)
+  assert copier.copies_beside and copying.copies_beside
+  assert not engine.GemmConfig(ping_pong=True).copies_beside
+  with pytest.raises(ValueError, match="0 side copies with .*copy_warpgroup=True"):
+    engine.matmul(a16, b16, config=copier)
+  with pytest.raises(ValueError, match="1 side copies with .*unscaled copies only"):
+    engine.matmul(a16, b16, config=copier, side_copies=[(x32, 64, scale)])
   with pytest.raises(ValueError, match="ping_pong runs whole blocks through one ring"):
     engine.GemmConfig(ping_pong=True, chained=True)
   with pytest.raises(ValueError, match="ping_pong runs whole blocks through one ring"):
@@ -146,7 +157,10 @@ FUSED_CONFIGS = {
                                               epilogue_buffers=1, chained=True,
                                               copy_programs=20),
     "ping-pong": engine.GemmConfig(tile_n=128, stages=5, epilogue_tile=(64, 64),
-                                   epilogue_buffers=1, ping_pong=True, copy_programs=20)}
+                                   epilogue_buffers=1, ping_pong=True, copy_programs=20),
+    "ping-pong, copy warpgroup": engine.GemmConfig(tile_n=128, stages=4,
+                                                   epilogue_tile=(64, 64), epilogue_buffers=1,
+                                                   ping_pong=True, copy_warpgroup=True)}
 
 
 @needs_lowering
@@ -155,7 +169,9 @@ FUSED_CONFIGS = {
 def test_the_fused_product_with_side_copies_lowers_at_full_size(tokens, config):
   """The backward's fused product with copy programs (the tables' at S=293 and 4096):
   its blocks on 132 - copy_programs programs, and hidden_state, gelu_output (padded to
-  whole groups of 8 rows) and fc1_weight copied to f16 by the rest, in one launch."""
+  whole groups of 8 rows) and fc1_weight copied to f16 by the rest, in one launch; or
+  with a copy warpgroup, the blocks on all 132 and the copies by each one's fourth
+  warpgroup."""
   rows = -(-tokens // 8) * 8
   config = FUSED_CONFIGS[config]
   shapes = dict(a=((rows, 1280), jnp.float16), b=((1280, 3584), jnp.float16),
@@ -306,7 +322,9 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
     (256, 1280, 3584, engine.GemmConfig(tile_n=64, stages=6, mma_in_flight=1,
                                         epilogue_tile=(64, 32)), jnp.float32, True, True),
     (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True),
-     jnp.float32, False, True)])
+     jnp.float32, False, True),
+    (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True,
+                                        copy_warpgroup=True), jnp.float32, False, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
                                                           epilogue_dtype, scaled, reduced):
   """Where Mosaic's lowering counts shared memory itself (JAX 0.10.2 refuses a kernel over
@@ -323,6 +341,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
       extra.update(row_scale=x[:, 0], col_scale=x[0])
     if reduced:   # column sums and line maxima (ping-pong: sums only)
       extra.update(column_sums="unrounded", line_maxima=not config.ping_pong)
+    if config.copy_warpgroup:
+      extra.update(side_copies=[(x, m)])
     return engine.matmul(a, b, config=config, num_programs=132, **extra)
 
   try:

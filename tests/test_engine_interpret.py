@@ -226,6 +226,41 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
       np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
 
 
+@pytest.mark.transcendental
+@pytest.mark.parametrize("programs", [2, 5])
+def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(programs):
+  """`GemmConfig.copy_warpgroup`: the ping-pong program's fourth warpgroup makes the side
+  copies while its compute warpgroups run the fused product with column sums: each fp32
+  source rounded to the operands' dtype bitwise, every element written (unwritten ones
+  read NaN), for sources of more tiles than programs, of one tile, and of fewer tiles
+  than programs; the product and its sums as without copies, bitwise. On 5 programs some
+  compute no block (3 x 2 blocks: 6 on 2 programs, 1-2 on 5) and still copy."""
+  m, k, n = 384, 128, 256
+  config = C(ping_pong=True, stages=3, epilogue_buffers=1, copy_warpgroup=True)
+  rows, cols = engine.COPIER_TILE
+  shapes = [(7 * rows, 2 * cols), (rows, cols), (2 * rows, 3 * cols)]
+  keys = jax.random.split(jax.random.key(41 + programs), 3 + len(shapes))
+  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  x = jax.random.normal(keys[2], (m, n), jnp.float32) * 3
+  sources = [jax.random.normal(key, shape, jnp.float32) * 2.0 ** 9
+             for key, shape in zip(keys[3:], shapes)]
+  run = lambda config, **kw: engine.matmul(
+      a, b, config=config, num_programs=programs, out_dtype=jnp.bfloat16,
+      epilogue=reference.gelu_backward, epilogue_operand=x, column_sums="unrounded",
+      interpret=interpret_params.InterpretGPUParams(), **kw)
+  (out, sums), copies = run(config, side_copies=[(s, s.shape[0]) for s in sources])
+  want_out, want_sums = run(dataclasses.replace(config, copy_warpgroup=False))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+  np.testing.assert_array_equal(np.asarray(sums), np.asarray(want_sums))
+  exact, bound = _exact_and_bound(a, b, x, jnp.bfloat16)
+  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
+  assert len(copies) == len(sources)
+  for source, copy in zip(sources, copies):
+    assert copy.dtype == jnp.bfloat16 and copy.shape == source.shape
+    np.testing.assert_array_equal(np.asarray(copy), np.asarray(source.astype(jnp.bfloat16)))
+
+
 def test_copy_programs_in_interpret_mode_copy_every_element_bitwise():
   """`_copy_tiles`, the side copies' programs, alone in a launch of 2 copy programs (6
   warpgroups): each fp32 source rounded to the 16-bit dtype, bitwise, every element

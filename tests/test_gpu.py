@@ -293,3 +293,23 @@ def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
   bounds.check_backward(outs, inputs, precision, f"pre-GELU on XLA S={tokens}")
   for a, b in zip(outs, jax.device_get(fn(*inputs))):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+@pytest.mark.parametrize("tokens", [3333, 5003])
+def test_mosaic_backward_with_a_copy_warpgroup_is_bitwise_the_tables(tokens):
+  """The fused product's side copies made by a ping-pong copy warpgroup
+  (`helpers.copy_warpgroup_tables`) instead of copy programs: the same casts and the same
+  products, so the five gradients are bitwise those of this GPU's tables (F16 on fp32
+  inputs, S past the ping-pong row), and within their bounds."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from vision_mlp_bwd.precision import canonicalize
+  from vision_mlp_bwd.problem import check_backward_args
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  problem = check_backward_args(*inputs, canonicalize(F16))
+  tables = backward_sm90.tables_for(jax.devices()[0].device_kind)
+  run = lambda tables: jax.device_get(jax.jit(lambda *a: backward_sm90.backward(
+      *a, problem=problem, tables=tables))(*inputs))
+  outs = run(helpers.copy_warpgroup_tables(tokens, tables))
+  bounds.check_backward(outs, inputs, F16, f"copy warpgroup S={tokens}")
+  for a, b in zip(outs, run(tables)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

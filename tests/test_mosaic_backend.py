@@ -70,6 +70,21 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
     assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
 
 
+@needs_lowering
+@pytest.mark.parametrize("tokens", [3333, 8192])
+def test_the_backward_lowers_with_a_copy_warpgroup(tokens):
+  """The fused product with a ping-pong copy warpgroup (`helpers.copy_warpgroup_tables`):
+  the whole backward lowers at full size, the copies made in the fused launch (only
+  grad_output and fc2_weight staged before it)."""
+  args = _abstract_inputs(tokens, jnp.float32)
+  problem = _problem(tokens)
+  tables = helpers.copy_warpgroup_tables(tokens)
+  lowered = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables)
+                    ).trace(*args).lower(lowering_platforms=("cuda",))
+  assert [o.shape for o in lowered.out_info] == [(tokens, H), (I, H), (I,), (H, I), (H,)]
+  assert lowered.as_text().count("mosaic_gpu") >= 4
+
+
 INPUTS_MODES = {"fp32_inputs": (jnp.float32, DotMode.F16), "tf32_on_f16": (jnp.float32, DotMode.TF32),
                 "sixteen_bit_inputs": (jnp.bfloat16, DotMode.BF16)}
 
@@ -369,18 +384,22 @@ def _jnp_engine(a, b, *, transpose_a=False, out_dtype=jnp.float32, epilogue=None
 
 
 @pytest.mark.transcendental
-@pytest.mark.parametrize("dtype, precision, pre_gelu_on_xla, copy_programs", [
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, 0),
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, 32),
-    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, True, 0), (jnp.bfloat16, None, False, 0)],
-    ids=["fp32-f16", "fp32-f16-copy-programs", "fp32-f16-pre-gelu-on-xla", "bf16"])
+@pytest.mark.parametrize("dtype, precision, pre_gelu_on_xla, beside", [
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, None),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, "programs"),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, False, "warpgroup"),
+    (jnp.float32, jax.lax.DotAlgorithmPreset.F16_F16_F32, True, None),
+    (jnp.bfloat16, None, False, None)],
+    ids=["fp32-f16", "fp32-f16-copy-programs", "fp32-f16-copy-warpgroup",
+         "fp32-f16-pre-gelu-on-xla", "bf16"])
 def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
-                                                  pre_gelu_on_xla, copy_programs):
+                                                  pre_gelu_on_xla, beside):
   """Where the tables give XLA_DOT, the input and weight gradients are XLA's dots of the
   staged operands (the fused product a jnp stand-in for the engine, or on fp32 inputs
   XLA's dot too, and the staging pass of the GELU derivative): every output within its
   bound at an S not a multiple of 8, and no copy only to pad what only XLA reads. With
-  copy programs, the fused product's launch makes the copies the later products read."""
+  copy programs or a ping-pong copy warpgroup, the fused product's launch makes the
+  copies the later products read."""
   side = []
 
   def engine_recording_side_copies(*args, side_copies=(), **kwargs):
@@ -395,8 +414,12 @@ def test_plain_products_as_xla_dots_within_bounds(monkeypatch, dtype, precision,
   monkeypatch.setattr(mosaic_backward.staging, "launch", recording_launch)
   xla = {name: ((None, mosaic_backward.XLA_DOT),)
          for name in ("fp32_inputs", "sixteen_bit_inputs")}
-  fused = {name: ((None, mosaic_backward.engine.GemmConfig(
-      tile_n=64, copy_programs=copy_programs)),) for name in xla}
+  config = {None: mosaic_backward.engine.GemmConfig(tile_n=64),
+            "programs": mosaic_backward.engine.GemmConfig(tile_n=64, copy_programs=32),
+            "warpgroup": mosaic_backward.engine.GemmConfig(
+                ping_pong=True, stages=2, copy_warpgroup=True)}[beside]
+  copy_programs = config.copies_beside
+  fused = {name: ((None, config),) for name in xla}
   tables = dataclasses.replace(mosaic_backward.TABLES, rows=xla, weight_grads=xla,
                                pre_gelu=xla if pre_gelu_on_xla else fused)
   tokens = 61

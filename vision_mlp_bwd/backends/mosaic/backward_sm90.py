@@ -232,9 +232,10 @@ def backward(grad_output, hidden_state, fc1_weight, fc1_bias, fc2_weight, fc2_bi
               else padded)
   inputs_for_fc2_weight = weight_config is XLA_DOT and grad_output.dtype == operand
   gelu_rows = problem.tokens if inputs_for_fc2_weight else padded
-  # With copy programs, the fused product's launch copies the operands only the products
-  # after it read (hidden_state, gelu_output, fc1_weight) beside its blocks.
-  side = isinstance(pre_config, engine.GemmConfig) and pre_config.copy_programs > 0
+  # With copy programs (or a copy warpgroup), the fused product's launch copies the operands
+  # only the products after it read (hidden_state, gelu_output, fc1_weight) beside its
+  # blocks.
+  side = isinstance(pre_config, engine.GemmConfig) and pre_config.copies_beside
   (grad_out16, fc2_bias_parts), hidden16, gelu16, w1, w2 = _staged_operands(
       grad_output, hidden_state, gelu_output, fc1_weight, fc2_weight, operand, problem,
       interpret, hidden_rows=pre_rows, gelu_rows=gelu_rows, staged=(0, 4) if side else None)

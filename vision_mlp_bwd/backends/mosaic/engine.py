@@ -72,7 +72,9 @@ P - c programs and the last c copy fp32 arrays (`side_copies`) to the operand dt
 memory-bound pass beside a compute-bound one in one launch (two launches on one stream
 never overlap). The backward gives them the casts that only the products after the fused
 one read: their SMs would otherwise idle in a last partial wave, or cost the product
-fewer than the pass saves (benchmarks/NOTES.md, 55).
+fewer than the pass saves (benchmarks/NOTES.md, 55). With `config.copy_warpgroup` (ping-pong
+only) a fourth warpgroup of every program makes them instead, beside its compute
+warpgroups, so no SM is taken from the product (NOTES 70).
 
 Reads past the arrays' ends are zeros and writes there are dropped (TMA), so
 M, N and K need not be multiples of a tile; each 16-bit array needs a row
@@ -134,6 +136,15 @@ class GemmConfig:
   # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
   # flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
+  # Side copies made by a fourth warpgroup of every ping-pong program, beside its
+  # compute and memory warpgroups, instead of by copy programs of their own: every SM
+  # computes blocks, and the copies' HBM traffic is spread over all of them.
+  copy_warpgroup: bool = False
+
+  @property
+  def copies_beside(self) -> bool:
+    """Whether the launch makes `matmul`'s side copies (copy programs or warpgroup)."""
+    return self.copy_programs > 0 or self.copy_warpgroup
 
   @property
   def block(self) -> tuple[int, int]:
@@ -151,6 +162,10 @@ class GemmConfig:
                        f"{self}")
     if self.copy_programs < 0:
       raise ValueError(f"GemmConfig.copy_programs must be >= 0: {self}")
+    if self.copy_warpgroup and (not self.ping_pong or self.copy_programs):
+      raise ValueError(f"GemmConfig.copy_warpgroup is a ping-pong program's fourth "
+                       f"warpgroup, in place of copy programs: ping_pong=True, "
+                       f"copy_programs=0: {self}")
     if self.chained and self.mma_in_flight:
       raise ValueError(f"GemmConfig.chained takes mma_in_flight=0 (Pallas chains pipelines "
                        f"only without delayed releases): {self}")
@@ -180,6 +195,12 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 COPY_TILE = (32, 128)
 COPY_LOADS, COPY_STORES = 3, 2
 COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
+# A ping-pong program's copy warpgroup (`GemmConfig.copy_warpgroup`): COPIER_LOADS fp32
+# tiles of COPIER_TILE in flight and COPY_STORES 16-bit ones, small enough to fit beside
+# the ring; registers 40 (memory) + 40 (copies) + 2 x 216 (compute) = 512.
+COPIER_TILE = (8, 128)
+COPIER_LOADS = 6
+COPIER_REGISTERS, COPIER_COMPUTE_REGISTERS = 40, 216
 
 
 # Pallas's per-warpgroup timeline of named regions, for the kernels traced within `traced`:
@@ -234,6 +255,10 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers += [2 * config.tile_m * 4, 2 * config.tile_n * 4]
   if column_sums or line_maxima:      # the reductions' scratch (one at a time)
     buffers.append(REDUCTION_SCRATCH_BYTES)
+  if config.copy_warpgroup:           # its fp32 tiles and their 16-bit copies
+    copier_tile = COPIER_TILE[0] * COPIER_TILE[1]
+    buffers += [COPIER_LOADS * copier_tile * 4,
+                COPY_STORES * copier_tile * jnp.dtype(dtype).itemsize]
   return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
@@ -427,10 +452,12 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
   side_copies = tuple(side_copies)
-  if bool(side_copies) != bool(config.copy_programs):
+  if bool(side_copies) != config.copies_beside or config.copy_warpgroup and any(
+      len(side) == 3 for side in side_copies):
     raise ValueError(f"matmul: {len(side_copies)} side copies with GemmConfig.copy_programs="
-                     f"{config.copy_programs}; side copies need copy programs and copy "
-                     "programs need side copies.")
+                     f"{config.copy_programs}, copy_warpgroup={config.copy_warpgroup}; side "
+                     "copies need copy programs or a copy warpgroup (unscaled copies only), "
+                     "and those need side copies.")
   for i, (x, rows, *scale) in enumerate(side_copies):
     if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] % COPY_COLUMN_MULTIPLE or rows < 1:
       raise ValueError(f"matmul: side_copies[{i}] is {x.dtype} {x.shape} to {rows} rows; "
@@ -450,7 +477,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              None if epilogue is None else epilogue_operand.dtype,
                              column_sums is not None, row_scale is not None, line_maxima,
                              speculated_copies > 0)
-  if side_copies:   # the copies' buffers come after the product's, in the same space
+  if config.copy_programs:   # copy programs' buffers: after the product's, in its space
     smem = max(smem, copy_shared_memory_bytes(a.dtype))
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
     raise ValueError(f"GemmConfig {config} needs {smem} bytes of shared memory for "
@@ -486,7 +513,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                 for i in scaled_copies]
   outs = plgpu.kernel(
       kernel, out_type=tuple(out_types),
-      grid=(programs,), grid_names=("program",), num_threads=3, thread_name="wg",
+      grid=(programs,), grid_names=("program",),
+      num_threads=4 if config.copy_warpgroup else 3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup,
                                            approx_math=approx_math, **_TRACE),
       **({} if interpret is None else dict(interpret=interpret)),
@@ -580,12 +608,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   # no tiles to copy. (Branching on the program failed in Pallas's interpret mode, and so
   # did copies after the product's scope there: its scoped allocations are matched across
   # threads by their order.)
-  if side_copies:
+  if copy_programs:
     _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs,
                 scales=scales, maxima=maxima)
   if config.ping_pong:
     _ping_pong_program(a_gmem, b_gmem, operand_gmem, *refs, config=config, plan=plan,
-                       epilogue=epilogue, column_sums=column_sums)
+                       epilogue=epilogue, column_sums=column_sums,
+                       side_copies=tuple(zip(side_sources, side_targets))
+                       if config.copy_warpgroup else ())
   else:
     _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config=config, transpose_a=transpose_a,
@@ -859,7 +889,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
 
 def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *,
                        config: GemmConfig, plan: Schedule, epilogue: Callable | None,
-                       column_sums: str | None):
+                       column_sums: str | None, side_copies=()):
   """One program's blocks of a ping-pong product (`GemmConfig.ping_pong`), as CUTLASS's
   ping-pong kernels run them: the memory warpgroup streams the program's blocks in order
   through one ring (block j's steps, then block j + 1's), and block j is compute
@@ -869,7 +899,10 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
   output in `epilogue_tile` pieces (a piece's operand buffer is refilled with a later
   piece as soon as it is read, before the piece's math); the column sums add a column's
   pieces in registers, then reduce across warps, the warpgroups taking turns at Pallas's
-  one reduction scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`)."""
+  one reduction scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`).
+  With `config.copy_warpgroup`, a fourth warpgroup copies `side_copies` ((fp32 source,
+  16-bit target) pairs) meanwhile: program p takes the `COPIER_TILE` tiles p, p + P, ...
+  of each."""
   dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   epi_m, epi_n = config.epilogue_tile
@@ -901,11 +934,30 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
   if column_sums:   # turn[w]: warpgroup w may reduce across its warps
     scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
                    turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if config.copy_warpgroup:
+    scratch.update(
+        copy_loaded=plgpu.SMEM((COPIER_LOADS, *COPIER_TILE), jnp.float32),
+        copy_rounded=plgpu.SMEM((COPY_STORES, *COPIER_TILE), dtype),
+        copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=COPIER_LOADS))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, out_smem, a_full, b_full, consumed, operand_smem=None,
-             operand_full=None, sums_smem=None, turn=None):
+             operand_full=None, sums_smem=None, turn=None, copy_loaded=None,
+             copy_rounded=None, copy_arrived=None):
     wg = lax.axis_index("wg")
+
+    if config.copy_warpgroup:
+      @pl.when(wg == 3)
+      def _copies():
+        plgpu.set_max_registers(COPIER_REGISTERS, action="decrease")
+        stored = jnp.int32(0)
+        for source, target in side_copies:
+          tiles = (pl.cdiv(target.shape[0], COPIER_TILE[0])
+                   * pl.cdiv(target.shape[1], COPIER_TILE[1]))
+          stored, _ = _copy_run(source, target, program, plan.programs,
+                                _count_here(tiles, program, plan.programs), stored,
+                                copy_loaded, copy_rounded, copy_arrived, 0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
     def _memory():
@@ -940,7 +992,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
 
     @pl.when(wg < 2)
     def _compute():
-      plgpu.set_max_registers(PING_PONG_COMPUTE_REGISTERS, action="increase")
+      plgpu.set_max_registers(COPIER_COMPUTE_REGISTERS if config.copy_warpgroup
+                              else PING_PONG_COMPUTE_REGISTERS, action="increase")
 
       @pl.loop(0, lax.div(here - wg + 1, 2))   # blocks wg, wg + 2, ... of `here`
       def _block(i):
@@ -1051,6 +1104,50 @@ def copy_parts(copy_programs: int, x) -> int:
   return max(1, 3 * copy_programs // pl.cdiv(x.shape[1], COPY_TILE[1]))
 
 
+def _copy_run(source, target, first, stride, count, stored, loaded, rounded, arrived,
+              first_barrier, scale=None):
+  """One warpgroup's copies of `source`'s tiles first, first + stride, ... (`count` of
+  them, row-major tile indices of `loaded`'s tile shape) into `target`, through its fp32
+  buffers `loaded` ([loads, rows, cols], `arrived.at[first_barrier + slot]` each) and
+  16-bit buffers `rounded` ([stores, rows, cols]). Returns the warpgroup's stores so far
+  (the store slots rotate across runs: the one store that may still read a slot is the
+  warpgroup's last) and, with a scale, the elementwise largest finite |x| over the run's
+  tiles."""
+  loads, rows, cols = loaded.shape
+  stores = rounded.shape[0]
+  tiles_n = pl.cdiv(target.shape[1], cols)
+
+  def tile(i):
+    r, c = divmod(first + i * stride, tiles_n)
+    return pl.ds(r * rows, rows), pl.ds(c * cols, cols)
+
+  def load(i):
+    slot = i % loads
+    plgpu.copy_gmem_to_smem(source.at[tile(i)], loaded.at[slot],
+                            arrived.at[first_barrier + slot])
+
+  for i in range(loads - 1):   # the first loads in flight
+    pl.when(i < count)(functools.partial(load, i))
+
+  def step(i, running):
+    pl.when(i + loads - 1 < count)(functools.partial(load, i + loads - 1))
+    slot, out_slot = i % loads, (stored + i) % stores
+    plgpu.barrier_wait(arrived.at[first_barrier + slot])
+    plgpu.wait_smem_to_gmem(stores - 1, wait_read_only=True)
+    x = loaded[slot]
+    if scale is None:
+      rounded[out_slot] = x.astype(target.dtype)
+    else:
+      rounded[out_slot] = scaled_f16_operand(x, scale)
+      running = jnp.maximum(running, finite_abs(x))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(rounded.at[out_slot], target.at[tile(i)])
+    return running
+  running = lax.fori_loop(0, count, step, None if scale is None
+                          else jnp.zeros((rows, cols), jnp.float32))
+  return stored + count, running
+
+
 def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=None,
                 maxima=None):
   """The copy programs' work (`workers` programs from `first_program` on; the others
@@ -1079,41 +1176,8 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=No
     lane, lanes = worker * 3 + wg, workers * 3
 
     def copy_run(source, target, first, stride, count, stored, scale=None):
-      """Copies the tiles first, first + stride, ... (`count` of them, row-major tile
-      indices); returns the lane's stores so far (the store slots rotate across runs:
-      the one store that may still read a slot is the lane's last) and, with a scale,
-      the elementwise largest finite |x| over the run's tiles."""
-      tiles_n = pl.cdiv(target.shape[1], cols)
-
-      def tile(i):
-        r, c = divmod(first + i * stride, tiles_n)
-        return pl.ds(r * rows, rows), pl.ds(c * cols, cols)
-
-      def load(i):
-        slot = i % COPY_LOADS
-        plgpu.copy_gmem_to_smem(source.at[tile(i)], loaded.at[wg, slot],
-                                arrived.at[wg * COPY_LOADS + slot])
-
-      for i in range(COPY_LOADS - 1):   # the first loads in flight
-        pl.when(i < count)(functools.partial(load, i))
-
-      def step(i, running):
-        pl.when(i + COPY_LOADS - 1 < count)(functools.partial(load, i + COPY_LOADS - 1))
-        slot, out_slot = i % COPY_LOADS, (stored + i) % COPY_STORES
-        plgpu.barrier_wait(arrived.at[wg * COPY_LOADS + slot])
-        plgpu.wait_smem_to_gmem(COPY_STORES - 1, wait_read_only=True)
-        x = loaded[wg, slot]
-        if scale is None:
-          rounded[wg, out_slot] = x.astype(target.dtype)
-        else:
-          rounded[wg, out_slot] = scaled_f16_operand(x, scale)
-          running = jnp.maximum(running, finite_abs(x))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(rounded.at[wg, out_slot], target.at[tile(i)])
-        return running
-      running = lax.fori_loop(0, count, step, None if scale is None
-                              else jnp.zeros((rows, cols), jnp.float32))
-      return stored + count, running
+      return _copy_run(source, target, first, stride, count, stored, loaded.at[wg],
+                       rounded.at[wg], arrived, wg * COPY_LOADS, scale)
 
     stored = jnp.int32(0)
     for source, target, scale, partial_max in zip(sources, targets, scales, maxima):
