@@ -124,7 +124,8 @@ def test_epilogue_costs_builds_the_table_products_epilogue_one_piece_at_a_time(
   assert [r["step"] for r in rows] == list(epilogue_costs.STEPS)
   tables = backward_sm90.TABLES
   # The product alone, on every SM: without the table's copy programs.
-  f16, tf32 = (dataclasses.replace(tables.config_for(tables.pre_gelu, name, 16), copy_programs=0)
+  f16, tf32 = (dataclasses.replace(tables.config_for(tables.pre_gelu, name, 16), copy_programs=0,
+                                   copy_warpgroup=False)
                for name in ("fp32_inputs", "tf32_on_f16"))
   assert seen == [
       (f16, "float16", False, None, False, False), (f16, "float16", True, None, False, False),
@@ -160,7 +161,7 @@ def test_epilogue_costs_runs_each_step_in_each_variants_config(tmp_path, monkeyp
   rows = json.loads(record.read_text())["rows"]
   tables = backward_sm90.TABLES
   table = dataclasses.replace(tables.config_for(tables.pre_gelu, "fp32_inputs", 16),
-                              copy_programs=0)
+                              copy_programs=0, copy_warpgroup=False)
   varied = dataclasses.replace(table, stages=3)
   assert seen == [table, table, varied, varied]
   assert [(r["step"], r["variant"]) for r in rows] == [
@@ -199,7 +200,7 @@ def test_backward_configs_varies_the_staging_launches(tmp_path, monkeypatch):
   # Each trace: the staging launch, then the last launch (the bias sums, the split tails).
   # With copy programs the fused product's launch copies three of the five inputs.
   pre_gelu = backward_sm90.Tables.config_for(backward_sm90.TABLES.pre_gelu, "fp32_inputs", 8)
-  casts = 2 if pre_gelu.copy_programs else 5
+  casts = 2 if pre_gelu.copies_beside else 5
   sums_then = [(sums.block, sums.group)] * 2   # the two bias gradients' partial rows
   assert launches == [([(default.block, default.parts)] * casts, [], 4), ([], sums_then, 4),
                       ([((16, 64), 2)] * casts, [], 8), ([], [(32, 3)] * 2, 8)]

@@ -381,7 +381,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   values (`staging.SpeculatedScale` makes `copy_scale`). `side_copies`, `(x, rows)` pairs
   (x fp32 `[R, C]`), are copied to the operands' dtype with `rows` rows (zeros past R) by
   `config.copy_programs` programs of the same launch while the others compute the product
-  (see `_copy_tiles`); the result is then `(product's result, copies)`. A triple
+  (see `_copy_tiles`), or with `config.copy_warpgroup` by a fourth warpgroup of every
+  ping-pong program (unscaled copies only); the result is then `(product's result,
+  copies)`. A triple
   `(x, rows, scale)` (f16 operands; `scale` an fp32 vector, a `staging.SpeculatedScale`,
   whose first element is a power of two) is copied as
   `precision.scaled_f16_operand(x, scale[0])`, and its copy comes as `(copy, partial
