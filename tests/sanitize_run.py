@@ -10,8 +10,9 @@
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
 the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`, `fp32-default-off-window`, and `fp32-highest`,
-bf16x3 over the inputs' pieces). XLA's autotuning of its dots under memcheck
+`fp32-default`, `fp32-f16`, `bf16`, `fp32-default-off-window`, `fp32-highest`,
+bf16x3 over the inputs' pieces, and `fp32-f16-copy-warpgroup`, the fused product's side
+copies by a ping-pong copy warpgroup, `tests.helpers.copy_warpgroup_tables`: S > 3072). XLA's autotuning of its dots under memcheck
 takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
 run, not our kernels.
 """
@@ -29,7 +30,8 @@ RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
         "bf16": (jnp.bfloat16, None),
         # DEFAULT's checked scales copying tiles again (`helpers.off_the_speculated_scale`)
         "fp32-default-off-window": (jnp.float32, None),
-        "fp32-highest": (jnp.float32, jax.lax.Precision.HIGHEST)}
+        "fp32-highest": (jnp.float32, jax.lax.Precision.HIGHEST),
+        "fp32-f16-copy-warpgroup": (jnp.float32, F16)}
 IMPLEMENTATIONS = {"triton": ("fp32-default", "fp32-f16"),
                    "mosaic": ("fp32-default", "fp32-f16", "bf16", "fp32-highest")}
 
@@ -44,6 +46,16 @@ for tokens in args.seq_lens:
     inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
     if run.endswith("off-window"):
       inputs = helpers.off_the_speculated_scale(inputs)
-    jax.block_until_ready(vision_mlp_bwd.mlp_backward(*inputs, precision=precision,
-                                                      implementation=args.implementation))
+    if run.endswith("copy-warpgroup"):
+      from vision_mlp_bwd.backends.mosaic import backward_sm90
+      from vision_mlp_bwd.precision import canonicalize
+      from vision_mlp_bwd.problem import check_backward_args
+      problem = check_backward_args(*inputs, canonicalize(precision))
+      tables = helpers.copy_warpgroup_tables(
+          tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
+      jax.block_until_ready(jax.jit(lambda *a: backward_sm90.backward(
+          *a, problem=problem, tables=tables))(*inputs))
+    else:
+      jax.block_until_ready(vision_mlp_bwd.mlp_backward(*inputs, precision=precision,
+                                                        implementation=args.implementation))
     print(f"S={tokens} {jnp.dtype(dtype).name} {precision}: ran", flush=True)
