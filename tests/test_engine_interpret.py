@@ -226,18 +226,19 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
       np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
 
 
-@pytest.mark.transcendental
-@pytest.mark.parametrize("programs", [2, 8])
-def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(programs):
+@pytest.mark.parametrize("m, programs", [(384, 2), (256, 5)])
+def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(m, programs):
   """`GemmConfig.copy_warpgroup`: the ping-pong program's fourth warpgroup makes the side
   copies while its compute warpgroups run the fused product with column sums: each fp32
   source rounded to the operands' dtype bitwise, every element written (unwritten ones
   read NaN), for sources of more tiles than programs, of one tile, and of fewer tiles
-  than programs; the product and its sums as without copies, bitwise. On 8 programs two
-  compute no block (3 x 2 blocks: 3 a program on 2, 1 or none on 8) and still copy.
+  than programs; the product and its sums as without copies, bitwise (their bounds are
+  the ping-pong cases' above, so this one is not rerun per CPU ISA). 3 x 2 blocks on 2
+  programs (3 each, alternating warpgroups); 2 x 2 on 5, where one computes no block and
+  still copies.
   (Copy tiles past a source's end are the GPU tests': the interpreter models no TMA
   zero fill.)"""
-  m, k, n = 384, 128, 256
+  k, n = 128, 256
   config = C(ping_pong=True, stages=3, epilogue_buffers=1, copy_warpgroup=True)
   rows, cols = engine.COPIER_TILE
   shapes = [(7 * rows, 2 * cols), (rows, cols), (2 * rows, 3 * cols)]
@@ -255,8 +256,7 @@ def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(prog
   want_out, want_sums = run(dataclasses.replace(config, copy_warpgroup=False))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
   np.testing.assert_array_equal(np.asarray(sums), np.asarray(want_sums))
-  exact, bound = _exact_and_bound(a, b, x, jnp.bfloat16)
-  assert np.all(np.abs(np.asarray(out, np.float64) - exact) <= bound)
+  assert not np.isnan(np.asarray(out, np.float32)).any()   # every element written
   assert len(copies) == len(sources)
   for source, copy in zip(sources, copies):
     assert copy.dtype == jnp.bfloat16 and copy.shape == source.shape
