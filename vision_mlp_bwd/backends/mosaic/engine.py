@@ -196,10 +196,12 @@ COPY_TILE = (32, 128)
 COPY_LOADS, COPY_STORES = 3, 2
 COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
 # A ping-pong program's copy warpgroup (`GemmConfig.copy_warpgroup`): COPIER_LOADS fp32
-# tiles of COPIER_TILE in flight and COPY_STORES 16-bit ones, small enough to fit beside
-# the ring; registers 40 (memory) + 40 (copies) + 2 x 216 (compute) = 512.
+# tiles of COPIER_TILE in flight and COPY_STORES 16-bit ones, as many as fit beside a
+# 4-stage ring of 128x128 blocks with one 64x64 epilogue piece (40 KB in flight: about
+# 2.5x the copy rate the fused product needs, at 2 us a round trip; benchmarks/NOTES.md,
+# 70); registers 40 (memory) + 40 (copies) + 2 x 216 (compute) = 512.
 COPIER_TILE = (8, 128)
-COPIER_LOADS = 6
+COPIER_LOADS = 10
 COPIER_REGISTERS, COPIER_COMPUTE_REGISTERS = 40, 216
 
 
