@@ -39,6 +39,16 @@ def copy_warpgroup_tables(tokens: int, tables=None):
                                                "fp32_inputs": ((None, config),)})
 
 
+def mosaic_backward_fn(tables, inputs, precision):
+  """(the Mosaic backward of `inputs`' shapes under `precision` with `tables` in place of
+  this GPU's, jitted; its `Problem`)."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  from vision_mlp_bwd.precision import canonicalize
+  from vision_mlp_bwd.problem import check_backward_args
+  problem = check_backward_args(*inputs, canonicalize(precision))
+  return jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables)), problem
+
+
 def fresh_key():
   """A new PRNG key per call, so every check sees different inputs."""
   return jax.random.key(next(_seeds))

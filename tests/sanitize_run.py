@@ -48,13 +48,10 @@ for tokens in args.seq_lens:
       inputs = helpers.off_the_speculated_scale(inputs)
     if run.endswith("copy-warpgroup"):
       from vision_mlp_bwd.backends.mosaic import backward_sm90
-      from vision_mlp_bwd.precision import canonicalize
-      from vision_mlp_bwd.problem import check_backward_args
-      problem = check_backward_args(*inputs, canonicalize(precision))
       tables = helpers.copy_warpgroup_tables(
           tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
-      jax.block_until_ready(jax.jit(lambda *a: backward_sm90.backward(
-          *a, problem=problem, tables=tables))(*inputs))
+      fn, _ = helpers.mosaic_backward_fn(tables, inputs, precision)
+      jax.block_until_ready(fn(*inputs))
     else:
       jax.block_until_ready(vision_mlp_bwd.mlp_backward(*inputs, precision=precision,
                                                         implementation=args.implementation))

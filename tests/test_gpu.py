@@ -281,14 +281,11 @@ def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
   inputs; the tables take it at some S), beside the tables' other products: within bounds
   and bitwise repeatable."""
   from vision_mlp_bwd.backends.mosaic import backward_sm90
-  from vision_mlp_bwd.precision import canonicalize
-  from vision_mlp_bwd.problem import check_backward_args
   tables = dataclasses.replace(backward_sm90.TABLES, pre_gelu={
       **backward_sm90.TABLES.pre_gelu, "fp32_inputs": ((None, backward_sm90.XLA_DOT),)})
   inputs = helpers.backward_inputs(tokens, 1280, 3584)
-  problem = check_backward_args(*inputs, canonicalize(precision))
+  fn, problem = helpers.mosaic_backward_fn(tables, inputs, precision)
   assert tables.configs(problem)[0] is backward_sm90.XLA_DOT
-  fn = jax.jit(lambda *a: backward_sm90.backward(*a, problem=problem, tables=tables))
   outs = jax.device_get(fn(*inputs))
   bounds.check_backward(outs, inputs, precision, f"pre-GELU on XLA S={tokens}")
   for a, b in zip(outs, jax.device_get(fn(*inputs))):
@@ -302,13 +299,10 @@ def test_mosaic_backward_with_a_copy_warpgroup_is_bitwise_the_tables(tokens):
   products, so the five gradients are bitwise those of this GPU's tables (F16 on fp32
   inputs, S past the ping-pong row), and within their bounds."""
   from vision_mlp_bwd.backends.mosaic import backward_sm90
-  from vision_mlp_bwd.precision import canonicalize
-  from vision_mlp_bwd.problem import check_backward_args
   inputs = helpers.backward_inputs(tokens, 1280, 3584)
-  problem = check_backward_args(*inputs, canonicalize(F16))
   tables = backward_sm90.tables_for(jax.devices()[0].device_kind)
-  run = lambda tables: jax.device_get(jax.jit(lambda *a: backward_sm90.backward(
-      *a, problem=problem, tables=tables))(*inputs))
+  run = lambda tables: jax.device_get(helpers.mosaic_backward_fn(tables, inputs, F16)[0](
+      *inputs))
   outs = run(helpers.copy_warpgroup_tables(tokens, tables))
   bounds.check_backward(outs, inputs, F16, f"copy warpgroup S={tokens}")
   for a, b in zip(outs, run(tables)):

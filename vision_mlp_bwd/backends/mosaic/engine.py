@@ -956,11 +956,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
         plgpu.set_max_registers(COPIER_REGISTERS, action="decrease")
         stored = jnp.int32(0)
         for source, target in side_copies:
-          tiles = (pl.cdiv(target.shape[0], COPIER_TILE[0])
-                   * pl.cdiv(target.shape[1], COPIER_TILE[1]))
-          stored, _ = _copy_run(source, target, program, plan.programs,
-                                _count_here(tiles, program, plan.programs), stored,
-                                copy_loaded, copy_rounded, copy_arrived, 0)
+          stored = _copy_share(source, target, program, plan.programs, stored, copy_loaded,
+                               copy_rounded, copy_arrived, 0)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
@@ -1152,6 +1149,17 @@ def _copy_run(source, target, first, stride, count, stored, loaded, rounded, arr
   return stored + count, running
 
 
+def _copy_share(source, target, lane, lanes, stored, loaded, rounded, arrived,
+                first_barrier):
+  """Lane `lane` of `lanes`' share of an unscaled copy: `target`'s tiles lane, lane +
+  lanes, ... in row-major order, by `_copy_run`; returns the lane's stores so far."""
+  _, rows, cols = loaded.shape
+  tiles = pl.cdiv(target.shape[0], rows) * pl.cdiv(target.shape[1], cols)
+  stored, _ = _copy_run(source, target, lane, lanes, _count_here(tiles, lane, lanes), stored,
+                        loaded, rounded, arrived, first_barrier)
+  return stored
+
+
 def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=None,
                 maxima=None):
   """The copy programs' work (`workers` programs from `first_program` on; the others
@@ -1185,11 +1193,11 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=No
 
     stored = jnp.int32(0)
     for source, target, scale, partial_max in zip(sources, targets, scales, maxima):
-      tiles_m, tiles_n = pl.cdiv(target.shape[0], rows), pl.cdiv(target.shape[1], cols)
       if scale is None:
-        stored, _ = copy_run(source, target, lane, lanes,
-                             _count_here(tiles_m * tiles_n, lane, lanes), stored)
+        stored = _copy_share(source, target, lane, lanes, stored, loaded.at[wg],
+                             rounded.at[wg], arrived, wg * COPY_LOADS)
         continue
+      tiles_m, tiles_n = pl.cdiv(target.shape[0], rows), pl.cdiv(target.shape[1], cols)
       parts = partial_max.shape[0]
       groups, part, group = lanes // parts, lane % parts, lane // parts
       factor = scale[0]
