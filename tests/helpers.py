@@ -25,6 +25,11 @@ OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_
 _seeds = itertools.count(1234)
 
 
+def with_pre_gelu(tables, inputs: str, config):
+  """`tables` with `config` as the fused product's config for `inputs` at every S."""
+  return dataclasses.replace(tables, pre_gelu={**tables.pre_gelu, inputs: ((None, config),)})
+
+
 def copy_warpgroup_tables(tokens: int, tables=None):
   """`tables` (default: the Mosaic backward's default tables), with the fused product's
   config on fp32 inputs at S=`tokens` (ping-pong, with copy programs) making its side
@@ -34,9 +39,22 @@ def copy_warpgroup_tables(tokens: int, tables=None):
   tables = tables or backward_sm90.TABLES
   config = tables.config_for(tables.pre_gelu, "fp32_inputs", tokens)
   assert config.ping_pong and config.copy_programs, config
-  config = dataclasses.replace(config, stages=4, copy_programs=0, copy_warpgroup=True)
-  return dataclasses.replace(tables, pre_gelu={**tables.pre_gelu,
-                                               "fp32_inputs": ((None, config),)})
+  return with_pre_gelu(tables, "fp32_inputs", dataclasses.replace(
+      config, stages=4, copy_programs=0, copy_warpgroup=True))
+
+
+def tf32_ping_pong_tables(tokens: int, tables=None):
+  """`tables` (default: the Mosaic backward's default tables), with DEFAULT's fused product
+  (its scales, line maxima and speculated copies) at S=`tokens` run ping-pong: the tile,
+  ring and pieces of the fp32 inputs' ping-pong row, its own copy programs kept."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  tables = tables or backward_sm90.TABLES
+  ping_pong = tables.config_for(tables.pre_gelu, "fp32_inputs", 1 << 30)
+  assert ping_pong.ping_pong, ping_pong
+  config = dataclasses.replace(
+      ping_pong, copy_programs=tables.config_for(tables.pre_gelu, "tf32_on_f16",
+                                                 tokens).copy_programs)
+  return with_pre_gelu(tables, "tf32_on_f16", config)
 
 
 def mosaic_backward_fn(tables, inputs, precision):

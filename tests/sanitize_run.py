@@ -11,8 +11,10 @@ The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
 the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs (`--runs` picks some:
 `fp32-default`, `fp32-f16`, `bf16`, `fp32-default-off-window`, `fp32-highest`,
-bf16x3 over the inputs' pieces, and `fp32-f16-copy-warpgroup`, the fused product's side
-copies by a ping-pong copy warpgroup, `tests.helpers.copy_warpgroup_tables`: S > 3072). XLA's autotuning of its dots under memcheck
+bf16x3 over the inputs' pieces, `fp32-f16-copy-warpgroup`, the fused product's side
+copies by a ping-pong copy warpgroup, `tests.helpers.copy_warpgroup_tables`: S > 3072, and
+`fp32-default-ping-pong`, DEFAULT's fused product run ping-pong,
+`tests.helpers.tf32_ping_pong_tables`). XLA's autotuning of its dots under memcheck
 takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
 run, not our kernels.
 """
@@ -31,7 +33,11 @@ RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
         # DEFAULT's checked scales copying tiles again (`helpers.off_the_speculated_scale`)
         "fp32-default-off-window": (jnp.float32, None),
         "fp32-highest": (jnp.float32, jax.lax.Precision.HIGHEST),
-        "fp32-f16-copy-warpgroup": (jnp.float32, F16)}
+        "fp32-f16-copy-warpgroup": (jnp.float32, F16),
+        "fp32-default-ping-pong": (jnp.float32, None)}
+# Runs on other tables than the GPU's (`tests.helpers`), the GPU's given.
+VARIANT_TABLES = {"fp32-f16-copy-warpgroup": helpers.copy_warpgroup_tables,
+                  "fp32-default-ping-pong": helpers.tf32_ping_pong_tables}
 IMPLEMENTATIONS = {"triton": ("fp32-default", "fp32-f16"),
                    "mosaic": ("fp32-default", "fp32-f16", "bf16", "fp32-highest")}
 
@@ -46,10 +52,9 @@ for tokens in args.seq_lens:
     inputs = helpers.backward_inputs(tokens, 1280, 3584, dtype=dtype)
     if run.endswith("off-window"):
       inputs = helpers.off_the_speculated_scale(inputs)
-    if run.endswith("copy-warpgroup"):
+    if run in VARIANT_TABLES:
       from vision_mlp_bwd.backends.mosaic import backward_sm90
-      tables = helpers.copy_warpgroup_tables(
-          tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
+      tables = VARIANT_TABLES[run](tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
       fn, _ = helpers.mosaic_backward_fn(tables, inputs, precision)
       jax.block_until_ready(fn(*inputs))
     else:

@@ -144,9 +144,9 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
   with pytest.raises(ValueError, match=r"ping_pong computes op\(a\) = a \(transpose_a=True\)"):
     engine.matmul(jax.ShapeDtypeStruct((128, 64), jnp.float16), b16, transpose_a=True,
                   config=ping_pong)
-  with pytest.raises(ValueError, match=r"ping_pong .*no scales, line_maxima"):
-    engine.matmul(a16, b16, config=ping_pong, epilogue=gelu, line_maxima=True,
-                  epilogue_operand=jax.ShapeDtypeStruct((64, 64), jnp.float32))
+  with pytest.raises(ValueError, match=r"ping_pong .*N = 96 a multiple of the epilogue "
+                                       r"pieces' 64 columns"):
+    engine.matmul(a16, jax.ShapeDtypeStruct((128, 96), jnp.float16), config=ping_pong)
   assert engine.GemmConfig(split="m").block == (256, 128)
   assert engine.GemmConfig(tile_n=64).block == (128, 128)
   assert engine.GemmConfig(ping_pong=True).block == (128, 128)   # one warpgroup's tile
@@ -323,6 +323,8 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
                                         epilogue_tile=(64, 32)), jnp.float32, True, True),
     (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True),
      jnp.float32, False, True),
+    (256, 1280, 3584, engine.GemmConfig(stages=5, epilogue_buffers=1, ping_pong=True),
+     jnp.float32, True, True),
     (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True,
                                         copy_warpgroup=True), jnp.float32, False, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
@@ -339,8 +341,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
                                                    epilogue_operand=x)
     if scaled:
       extra.update(row_scale=x[:, 0], col_scale=x[0])
-    if reduced:   # column sums and line maxima (ping-pong: sums only)
-      extra.update(column_sums="unrounded", line_maxima=not config.ping_pong)
+    if reduced:   # column sums and line maxima
+      extra.update(column_sums="unrounded", line_maxima=True)
     if config.copy_warpgroup:
       extra.update(side_copies=[(x, m)])
     return engine.matmul(a, b, config=config, num_programs=132, **extra)
@@ -354,8 +356,7 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
     pytest.skip("this JAX's Mosaic lowering does not count shared memory")
   estimate = engine.shared_memory_bytes(config, -(-k // config.tile_k), jnp.float16,
                                         jnp.float32, False, epilogue_dtype, column_sums=reduced,
-                                        scales=scaled,
-                                        line_maxima=reduced and not config.ping_pong)
+                                        scales=scaled, line_maxima=reduced)
   assert 0 <= counted - estimate <= engine.BARRIER_SLACK_BYTES, (counted, estimate)
 
 

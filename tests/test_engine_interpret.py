@@ -123,7 +123,7 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   1 idle in some). "unrounded" sums the fp32
   values: each within its float64 bound, plus fp32 summation of M terms; "stored" sums
   the bf16 values stored, within fp32 summation of M terms of the stored output itself.
-  With "unrounded" (not ping-pong), also the line maxima: the largest |fp32 value| of each column and row
+  With "unrounded", also the line maxima: the largest |fp32 value| of each column and row
   is within the largest element bound of that line of the float64 maximum (a maximum
   moves by at most its elements' largest error)."""
   m, k, n, programs, config, column_sums, operand_dtype, out_dtype = EPILOGUE_REDUCTIONS[case]
@@ -131,7 +131,7 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
   x = jax.random.normal(keys[2], (m, n), operand_dtype) * 3
-  maxima = column_sums == "unrounded" and not config.ping_pong
+  maxima = column_sums == "unrounded"
   out, sums, *line_max = engine.matmul(
       a, b, config=config, num_programs=programs,
       out_dtype=out_dtype, epilogue=reference.gelu_backward, epilogue_operand=x,
@@ -161,16 +161,24 @@ def test_epilogue_column_sums_in_interpret_mode_within_their_bound(case):
   assert np.all(error <= bound), float(np.nanmax(error / bound))
 
 
-def test_row_and_column_scales_in_interpret_mode_within_their_bound():
+SCALED = {   # M, K, N, config, programs
+    "last wave split along K": (256, 384, 256, C(tile_n=64, stages=2, tail_splits=4), 3),
+    "ping-pong": (384, 128, 256, C(ping_pong=True, stages=3, epilogue_buffers=1), 2),
+}
+
+
+@pytest.mark.parametrize("case", SCALED)
+def test_row_and_column_scales_in_interpret_mode_within_their_bound(case):
   """`row_scale` and `col_scale` multiply the accumulator, of whole blocks and of the split
   tail's K-parts (the engine's unchained last-wave split, unscaled in the chained case
-  above): powers of two from 2^-10 to 2^10, so the bound of the unscaled product
-  scales exactly with them. (With the GELU epilogue they are checked on the GPU,
-  tests/test_gpu.py, DEFAULT; an interpret-mode run of it costs CI half a minute.)"""
-  m, k, n, config, programs = 256, 384, 256, C(tile_n=64, stages=2, tail_splits=4), 3
-  out_dtype, operand_dtype, case = jnp.float32, None, "last wave split along K"
+  above), and of ping-pong blocks (3 x 2 on 2 programs, each warpgroup's in turn):
+  powers of two from 2^-10 to 2^10, so the bound of the unscaled product scales exactly
+  with them. (With the GELU epilogue they are checked on the GPU, tests/test_gpu.py,
+  DEFAULT; an interpret-mode run of it costs CI half a minute.)"""
+  m, k, n, config, programs = SCALED[case]
+  out_dtype, operand_dtype = jnp.float32, None
   plan = engine.schedule(m, n, k, config, programs)
-  assert plan.splits > 1 and plan.tail > 0 and plan.whole > 0
+  assert config.ping_pong or plan.splits > 1 and plan.tail > 0 and plan.whole > 0
   keys = jax.random.split(jax.random.key(11 + len(case)), 5)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
@@ -190,21 +198,31 @@ def test_row_and_column_scales_in_interpret_mode_within_their_bound():
 
 
 
+SPECULATED = {   # M, config, programs
+    "64x32 pieces": (256, C(tile_n=64, stages=2, epilogue_tile=(64, 32), epilogue_buffers=1),
+                     3),
+    "ping-pong": (384, C(ping_pong=True, stages=3, epilogue_buffers=1), 2),
+}
+
+
 @pytest.mark.transcendental
-def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
+@pytest.mark.parametrize("case", SPECULATED)
+def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values(case):
   """`speculated_copies`: each f16 copy is bitwise `scaled_f16_operand` of the fp32 values
   the fused epilogue stores, times `copy_scale` per column (every element written:
   unwritten ones read NaN), from pieces of 32 f16 columns (the TF32 pre-GELU config's, a
-  64-byte swizzle), over 2 x 2 blocks on 3 programs; with `out_dtype=None` the same
-  copies, and nothing else, through one or two pieces per warpgroup."""
-  m, k, n = 256, 128, 256
-  config = C(tile_n=64, stages=2, epilogue_tile=(64, 32), epilogue_buffers=1)
+  64-byte swizzle) over 2 x 2 blocks on 3 programs, and from a ping-pong product's 64x64
+  pieces over 3 x 2 blocks on 2 programs; with `out_dtype=None` the same copies, and
+  nothing else, through one or two pieces per warpgroup."""
+  m, config, programs = SPECULATED[case]
+  k, n = 128, 256
   keys = jax.random.split(jax.random.key(23), 3)
   a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
   b = jax.random.normal(keys[1], (k, n), jnp.bfloat16) * 2.0 ** -6
   x = jax.random.normal(keys[2], (m, n), jnp.float32) * 3
   copy_scale = jnp.exp2(-2.0 + jnp.arange(n) // 16)   # 2^-2 to 2^13, one per 16 columns
-  out, *copies = engine.matmul(a, b, config=config, num_programs=3, out_dtype=jnp.float32,
+  out, *copies = engine.matmul(a, b, config=config, num_programs=programs,
+                               out_dtype=jnp.float32,
                                epilogue=reference.gelu_backward, epilogue_operand=x,
                                speculated_copies=2, copy_scale=copy_scale,
                                interpret=interpret_params.InterpretGPUParams())
@@ -217,7 +235,8 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values():
     np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
   for buffers in (1, 2):
     copies_alone = engine.matmul(
-        a, b, config=dataclasses.replace(config, epilogue_buffers=buffers), num_programs=3,
+        a, b, config=dataclasses.replace(config, epilogue_buffers=buffers),
+        num_programs=programs,
         out_dtype=None, epilogue=reference.gelu_backward, epilogue_operand=x,
         speculated_copies=2, copy_scale=copy_scale,
         interpret=interpret_params.InterpretGPUParams())

@@ -292,6 +292,24 @@ def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
+@pytest.mark.parametrize("tokens", [333, 3333, 5003])
+def test_mosaic_default_with_a_ping_pong_fused_product(tokens):
+  """DEFAULT's fused product run ping-pong (`helpers.tf32_ping_pong_tables`: the
+  accumulator's scales, the line maxima and the speculated f16 copies in the ping-pong
+  epilogue's pieces), ragged rows and a last partial wave: every element within its
+  bound, and bit for bit the same on a second call."""
+  from vision_mlp_bwd.backends.mosaic import backward_sm90
+  inputs = helpers.backward_inputs(tokens, 1280, 3584)
+  tables = helpers.tf32_ping_pong_tables(
+      tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
+  fn, problem = helpers.mosaic_backward_fn(tables, inputs, None)
+  assert tables.configs(problem)[0].ping_pong
+  outs = jax.device_get(fn(*inputs))
+  bounds.check_backward(outs, inputs, None, f"DEFAULT ping-pong S={tokens}")
+  for a, b in zip(outs, jax.device_get(fn(*inputs))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("tokens", [3333, 5003])
 def test_mosaic_backward_with_a_copy_warpgroup_is_bitwise_the_tables(tokens):
   """The fused product's side copies made by a ping-pong copy warpgroup

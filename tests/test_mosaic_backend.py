@@ -70,15 +70,26 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
     assert "stablehlo.slice" not in text, "the pre-GELU gradient cut back to S rows by a copy"
 
 
+# Tables other than the GPU's, which a GPU test or a benchmark variant runs: the fused
+# product's side copies by a ping-pong copy warpgroup (F16), and DEFAULT's fused product
+# (scales, line maxima, speculated copies) run ping-pong.
+VARIANT_TABLES = {"copy warpgroup": (DotMode.F16, helpers.copy_warpgroup_tables),
+                  "DEFAULT ping-pong": (DotMode.TF32, helpers.tf32_ping_pong_tables)}
+
+
 @needs_lowering
-@pytest.mark.parametrize("tokens", [3333, 8192])
-def test_the_backward_lowers_with_a_copy_warpgroup(tokens):
-  """The fused product with a ping-pong copy warpgroup (`helpers.copy_warpgroup_tables`):
-  the whole backward lowers at full size, the copies made in the fused launch (only
-  grad_output and fc2_weight staged before it)."""
+@pytest.mark.parametrize("variant, tokens", [("copy warpgroup", 3333),
+                                             ("copy warpgroup", 8192),
+                                             ("DEFAULT ping-pong", 5003)])
+def test_the_backward_lowers_with_variant_tables(variant, tokens):
+  """The whole backward lowers at full size with each of `VARIANT_TABLES` (Mosaic's own
+  shared-memory count refuses a kernel that does not fit), every product on the engine or
+  the tables' XLA dots."""
+  mode, variant_tables = VARIANT_TABLES[variant]
   args = _abstract_inputs(tokens, jnp.float32)
-  problem = _problem(tokens)
-  tables = helpers.copy_warpgroup_tables(tokens)
+  problem = _problem(tokens, jnp.float32, mode)
+  tables = variant_tables(tokens)
+  assert tables.configs(problem)[0].ping_pong
   lowered = jax.jit(lambda *a: mosaic_backward.backward(*a, problem=problem, tables=tables)
                     ).trace(*args).lower(lowering_platforms=("cuda",))
   assert [o.shape for o in lowered.out_info] == [(tokens, H), (I, H), (I,), (H, I), (H,)]

@@ -22,9 +22,11 @@ How it runs (the design of jax's `hopper_matmul_mgpu` example):
 Ping-pong (`GemmConfig.ping_pong`): each block is instead one compute warpgroup's
 whole tile, the blocks alternate between the two warpgroups, and one ring feeds
 them in block order, so one warpgroup's epilogue runs while the other's MMAs do
-(CUTLASS's ping-pong kernels; `_ping_pong_program`). It needs several blocks per
-program to pay: the fused pre-GELU product takes it above S=3072 (benchmarks/
-NOTES.md, 63).
+(CUTLASS's ping-pong kernels; `_ping_pong_program`). Its epilogue does what the
+cooperative one does (scales, the fused epilogue, column sums, line maxima, speculated
+copies) in pieces, on whole blocks of `op(A) = A`. It needs several blocks per program
+to pay: the fused pre-GELU product on fp32 inputs takes it above S=3072 (benchmarks/
+NOTES.md, 63; DEFAULT's, NOTES 71).
 
 The last wave: a persistent grid of P programs over T output blocks leaves
 T mod P blocks for a last, partly idle wave (the weight gradients at
@@ -132,9 +134,9 @@ class GemmConfig:
   # Ping-pong compute warpgroups (`_ping_pong_program`): each block is one warpgroup's
   # whole `tile_m x tile_n` tile, the blocks alternate between the two, and one ring
   # feeds them in block order, so one's epilogue runs under the other's MMAs. Its
-  # epilogue goes by `epilogue_tile` pieces, `epilogue_buffers` of the fused operand's
-  # and of the output's in flight per warpgroup; its loop keeps one wgmma group in
-  # flight (`split`, `mma_in_flight` and `chained` do not apply).
+  # epilogue goes by `epilogue_tile` pieces, `epilogue_buffers` of the fused operand's,
+  # the output's and the speculated copies' in flight per warpgroup; its loop keeps one
+  # wgmma group in flight (`split`, `mma_in_flight` and `chained` do not apply).
   ping_pong: bool = False
   # Side copies made by a fourth warpgroup of every ping-pong program, beside its
   # compute and memory warpgroups, instead of by copy programs of their own: every SM
@@ -442,13 +444,9 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   if epilogue is not None and config.tail_splits > 1:
     raise ValueError(f"matmul: a fused epilogue runs whole blocks only; {config} splits the "
                      "last wave (tail_splits must be 1).")
-  if config.ping_pong and (transpose_a or row_scale is not None or line_maxima
-                           or speculated_copies or out_dtype is None
-                           or n % config.epilogue_tile[1]):
+  if config.ping_pong and (transpose_a or n % config.epilogue_tile[1]):
     raise ValueError(f"matmul: GemmConfig.ping_pong computes op(a) = a (transpose_a="
-                     f"{transpose_a}) into an output (out_dtype={out_name}), its epilogue "
-                     f"with column sums at most (no scales, line_maxima or "
-                     f"speculated_copies), N = {n} a multiple of the epilogue pieces' "
+                     f"{transpose_a}), N = {n} a multiple of the epilogue pieces' "
                      f"{config.epilogue_tile[1]} columns.")
   if epilogue is not None:
     if epilogue_operand.ndim != 2 or epilogue_operand.shape[1] != n or (
@@ -500,13 +498,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
   sum_rows, max_rows = _warpgroup_tile_lines((m, n), config.block,
                                              (config.tile_m, config.tile_n))
-  if column_sums:   # one row per row of warpgroup tiles (ping-pong: in pieces)
-    out_types.append(jax.ShapeDtypeStruct(
-        (sum_rows, n // config.epilogue_tile[1], config.epilogue_tile[1]) if config.ping_pong
-        else (sum_rows, n), jnp.float32))
-  if line_maxima:   # column maxima as the sums; row maxima, one row per column of tiles
-    out_types += [jax.ShapeDtypeStruct((sum_rows, n), jnp.float32),
-                  jax.ShapeDtypeStruct((max_rows, m), jnp.float32)]
+  # One row of column sums (and maxima) per row of warpgroup tiles, one row of row maxima
+  # per column of them; ping-pong's in epilogue pieces, reshaped below.
+  epi_m, epi_n = config.epilogue_tile
+  column_lines = (sum_rows, n // epi_n, epi_n) if config.ping_pong else (sum_rows, n)
+  row_lines = (max_rows, pl.cdiv(m, epi_m), epi_m) if config.ping_pong else (max_rows, m)
+  if column_sums:
+    out_types.append(jax.ShapeDtypeStruct(column_lines, jnp.float32))
+  if line_maxima:
+    out_types += [jax.ShapeDtypeStruct(column_lines, jnp.float32),
+                  jax.ShapeDtypeStruct(row_lines, jnp.float32)]
   if plan.splits > 1:
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
@@ -523,10 +524,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                                            approx_math=approx_math, **_TRACE),
       **({} if interpret is None else dict(interpret=interpret)),
   )(a, b, *(() if epilogue is None else (epilogue_operand,)), *scales,
-    *(() if copy_scale is None else (copy_scale,)), *(x for x, *_ in side_copies),
-    *(side_copies[i][2] for i in scaled_copies))
-  if column_sums and config.ping_pong:   # the sums after the output
-    outs = (outs[0], outs[1].reshape(sum_rows, n), *outs[2:])
+    *(() if copy_scale is None else   # (ping-pong's by epilogue piece)
+      (copy_scale.reshape(n // epi_n, epi_n) if config.ping_pong else copy_scale,)),
+    *(x for x, *_ in side_copies), *(side_copies[i][2] for i in scaled_copies))
+  if config.ping_pong and (column_sums or line_maxima):   # the lines' pieces as rows
+    first = int(out_dtype is not None) + speculated_copies
+    lines = [x.reshape(x.shape[0], -1) for x in outs[first:first + bool(column_sums)
+                                                     + 2 * line_maxima]]
+    if line_maxima:
+      lines[-1] = lines[-1][:, :m]
+    outs = (*outs[:first], *lines, *outs[first + len(lines):])
   if side_copies:
     first = len(outs) - len(side_copies) - len(scaled_copies)
     copies = list(outs[first:first + len(side_copies)])
@@ -616,8 +623,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
     _copy_tiles(side_sources, side_targets, first_program=plan.programs, workers=copy_programs,
                 scales=scales, maxima=maxima)
   if config.ping_pong:
-    _ping_pong_program(a_gmem, b_gmem, operand_gmem, *refs, config=config, plan=plan,
-                       epilogue=epilogue, column_sums=column_sums,
+    _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
+                       copy_scale_gmem, *refs, config=config, plan=plan,
+                       epilogue=epilogue, column_sums=column_sums, line_maxima=line_maxima,
+                       speculated_copies=speculated_copies, stores_out=stores_out,
                        side_copies=tuple(zip(side_sources, side_targets))
                        if config.copy_warpgroup else ())
   else:
@@ -629,18 +638,27 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _product_outputs(refs, stores_out: bool, speculated_copies: int, column_sums,
+                     line_maxima: bool):
+  """(output, speculated copies, column sums, column maxima, row maxima, the split tail's
+  fp32 partials) among a product program's output refs, in `matmul`'s order (None, or
+  empty lists, where it has none)."""
+  refs = list(refs)
+  out = refs.pop(0) if stores_out else None
+  copies = [refs.pop(0) for _ in range(speculated_copies)]
+  sums = refs.pop(0) if column_sums else None
+  col_max, row_max = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
+  return out, copies, sums, col_max, row_max, refs
+
+
 def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config: GemmConfig, transpose_a: bool,
                      plan: Schedule, epilogue: Callable | None, column_sums: str | None,
                      scaled: bool, line_maxima: bool, speculated_copies: int,
                      stores_out: bool):
   """One program's blocks of the product (`refs`: the product's outputs)."""
-  refs = list(refs)
-  out_gmem = refs.pop(0) if stores_out else None
-  copies_gmem = [refs.pop(0) for _ in range(speculated_copies)]
-  sums_gmem = refs.pop(0) if column_sums else None
-  col_max_gmem, row_max_gmem = (refs.pop(0), refs.pop(0)) if line_maxima else (None, None)
-  partial_gmem = refs   # the split tail's fp32 partials, if any
+  out_gmem, copies_gmem, sums_gmem, col_max_gmem, row_max_gmem, partial_gmem = (
+      _product_outputs(refs, stores_out, speculated_copies, column_sums, line_maxima))
   dtype, out_dtype = a_gmem.dtype, None if out_gmem is None else out_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   block_m, block_n = config.block
@@ -891,31 +909,44 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         plgpu.barrier_wait(reduction_turn.at[0])
 
 
-def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *,
-                       config: GemmConfig, plan: Schedule, epilogue: Callable | None,
-                       column_sums: str | None, side_copies=()):
+def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
+                       copy_scale_gmem, *refs, config: GemmConfig, plan: Schedule,
+                       epilogue: Callable | None, column_sums: str | None, line_maxima: bool,
+                       speculated_copies: int, stores_out: bool, side_copies=()):
   """One program's blocks of a ping-pong product (`GemmConfig.ping_pong`), as CUTLASS's
   ping-pong kernels run them: the memory warpgroup streams the program's blocks in order
   through one ring (block j's steps, then block j + 1's), and block j is compute
   warpgroup j mod 2's. Each ring slot has a "full" barrier per compute warpgroup (each
   waits only on its own) and one "consumed" barrier, which the memory warpgroup waits
-  on before it refills the slot. The epilogue reads the fused operand and stores the
-  output in `epilogue_tile` pieces (a piece's operand buffer is refilled with a later
-  piece as soon as it is read, before the piece's math); the column sums add a column's
-  pieces in registers, then reduce across warps, the warpgroups taking turns at Pallas's
-  one reduction scratch (`sums_gmem` `[row blocks, N / piece columns, piece columns]`).
+  on before it refills the slot. The epilogue scales the accumulator (`row_scale_gmem`,
+  `col_scale_gmem`: TMA'd while the MMAs run), reads the fused operand and stores the
+  output and the speculated f16 copies in `epilogue_tile` pieces (a piece's operand
+  buffer is refilled with a later piece as soon as it is read, before the piece's math);
+  the column sums and maxima gather a column's pieces in registers, then reduce across
+  warps, the warpgroups taking turns at Pallas's one reduction scratch (written
+  `[row blocks, N / piece columns, piece columns]`; the row maxima `[column blocks, M /
+  piece rows, piece rows]`, `copy_scale_gmem` read `[N / piece columns, piece columns]`).
   With `config.copy_warpgroup`, a fourth warpgroup copies `side_copies` ((fp32 source,
   16-bit target) pairs) meanwhile: program p takes the `COPIER_TILE` tiles p, p + P, ...
   of each."""
-  dtype, out_dtype = a_gmem.dtype, out_gmem.dtype
+  out_gmem, copies_gmem, sums_gmem, col_max_gmem, row_max_gmem, _ = _product_outputs(
+      refs, stores_out, speculated_copies, column_sums, line_maxima)
+  dtype = a_gmem.dtype
   tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
   epi_m, epi_n = config.epilogue_tile
-  # column pieces outermost: a column's pieces follow each other, for its sums
+  # column pieces outermost: a column's pieces follow each other, for its sums and maxima
   pieces = [(pm, pn) for pn in range(tile_n // epi_n) for pm in range(tile_m // epi_m)]
   slots = min(config.epilogue_buffers, len(pieces))
   ring, k_steps = min(config.stages, plan.k_steps), plan.k_steps
   program = lax.axis_index("program")
   here = _count_here(plan.whole, program, plan.programs)
+  scaled = row_scale_gmem is not None
+  reduces_columns = column_sums is not None or line_maxima
+  targets = ([out_gmem] if stores_out else []) + copies_gmem
+  # Each piece's stores are one group per target; a piece buffer is written again once the
+  # groups of the piece before in it have read it.
+  stores_after_slot = (slots - 1) * len(targets)
+  out_tile_rows = tma_tile_rows(targets[0].shape[0])
 
   def origin(local):
     bm, bn = _whole_block(program + local * plan.programs, plan, config)
@@ -924,20 +955,36 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
   scratch = dict(
       a_smem=plgpu.SMEM((ring, tile_m, tile_k), dtype, transforms=swizzled_tiles(dtype)),
       b_smem=plgpu.SMEM((ring, tile_k, tile_n), dtype, transforms=swizzled_tiles(dtype)),
-      out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_dtype,
-                          transforms=swizzled_tiles(out_dtype, tma_tile_rows(out_gmem.shape[0]))),
       a_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       b_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * ring),
       consumed=plgpu.Barrier(num_arrivals=1, num_barriers=ring))
+  if stores_out:
+    scratch.update(out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_gmem.dtype,
+                                       transforms=swizzled_tiles(out_gmem.dtype, out_tile_rows)))
+  if copies_gmem:   # rows of one piece: a swizzle as wide as they are
+    scratch.update(
+        copy_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float16,
+                             transforms=swizzled_tiles(jnp.float16, out_tile_rows,
+                                                       min(SWIZZLE, 2 * epi_n))),
+        copy_scale_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
+        copy_scale_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if scaled:   # scales_arrived[w]: warpgroup w's row scales; [2 + w]: its column scales
+    scratch.update(row_scale_smem=plgpu.SMEM((2, tile_m), jnp.float32),
+                   col_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
+                   scales_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=4))
   if epilogue is not None:
     scratch.update(
         operand_smem=plgpu.SMEM((2, slots, epi_m, epi_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(
                                     operand_gmem.dtype, tma_tile_rows(operand_gmem.shape[0]))),
         operand_full=plgpu.Barrier(num_arrivals=1, num_barriers=2 * slots))
-  if column_sums:   # turn[w]: warpgroup w may reduce across its warps
-    scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
-                   turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
+  if column_sums:
+    scratch.update(sums_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32))
+  if line_maxima:
+    scratch.update(col_max_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
+                   row_max_smem=plgpu.SMEM((2, tile_m // epi_m, epi_m), jnp.float32))
+  if reduces_columns:   # turn[w]: warpgroup w may reduce across its warps
+    scratch.update(turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if config.copy_warpgroup:
     scratch.update(
         copy_loaded=plgpu.SMEM((COPIER_LOADS, *COPIER_TILE), jnp.float32),
@@ -945,9 +992,11 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
         copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=COPIER_LOADS))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
-  def _scope(a_smem, b_smem, out_smem, a_full, b_full, consumed, operand_smem=None,
-             operand_full=None, sums_smem=None, turn=None, copy_loaded=None,
-             copy_rounded=None, copy_arrived=None):
+  def _scope(a_smem, b_smem, a_full, b_full, consumed, out_smem=None, copy_smem=None,
+             copy_scale_smem=None, copy_scale_arrived=None, row_scale_smem=None,
+             col_scale_smem=None, scales_arrived=None, operand_smem=None, operand_full=None,
+             sums_smem=None, col_max_smem=None, row_max_smem=None, turn=None,
+             copy_loaded=None, copy_rounded=None, copy_arrived=None):
     wg = lax.axis_index("wg")
 
     if config.copy_warpgroup:
@@ -986,7 +1035,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
       def _drain(g):   # every phase of `consumed` is waited on
         plgpu.barrier_wait(consumed.at[lax.rem(g, ring)])
 
-    if column_sums:
+    if reduces_columns:
       @pl.when((wg == 1) & (here > 0))
       def _first_turn():   # warpgroup 0 reduces first
         plgpu.barrier_arrive(turn.at[0])
@@ -1007,7 +1056,18 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
               operand_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)],
               operand_smem.at[wg, p % slots], operand_full.at[wg * slots + p % slots])
 
-        if epilogue is not None:   # the first pieces arrive during the MMAs
+        # What the epilogue reads arrives during the MMAs: the block's scales (their
+        # buffers last read by this warpgroup's previous block, before its last commit)
+        # and the first operand pieces.
+        if scaled:
+          plgpu.copy_gmem_to_smem(row_scale_gmem.at[pl.ds(row0, tile_m)],
+                                  row_scale_smem.at[wg], scales_arrived.at[wg])
+          plgpu.copy_gmem_to_smem(col_scale_gmem.at[pl.ds(col0, tile_n)],
+                                  col_scale_smem.at[wg], scales_arrived.at[2 + wg])
+        if copies_gmem:
+          plgpu.copy_gmem_to_smem(copy_scale_gmem.at[pl.ds(col0 // epi_n, tile_n // epi_n)],
+                                  copy_scale_smem.at[wg], copy_scale_arrived.at[wg])
+        if epilogue is not None:
           for p in range(slots):
             load_operand(p)
 
@@ -1031,7 +1091,14 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
         with jax.named_scope("mainloop"):
           acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
         with jax.named_scope("epilogue"):
-          running = None
+          if scaled:   # (broadcast_in_dim: the layout inference takes it, not [:, None])
+            plgpu.barrier_wait(scales_arrived.at[wg])
+            plgpu.barrier_wait(scales_arrived.at[2 + wg])
+            acc = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
+                   * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
+          if copies_gmem:
+            plgpu.barrier_wait(copy_scale_arrived.at[wg])
+          sums, maxima, row_maxima = None, None, [None] * (tile_m // epi_m)
           for p, (pm, pn) in enumerate(pieces):
             rows, cols = slice(pm * epi_m, (pm + 1) * epi_m), slice(pn * epi_n, (pn + 1) * epi_n)
             value = acc[rows, cols]
@@ -1042,29 +1109,51 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, out_gmem, sums_gmem=None, *
                 plgpu.commit_smem()   # every thread has read the piece: refill its buffer
                 load_operand(p + slots)
               value = epilogue(value, operand)
-            stored = value.astype(out_dtype)
-            plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
-            out_smem[wg, p % slots] = stored
+            plgpu.wait_smem_to_gmem(stores_after_slot, wait_read_only=True)
+            if stores_out:
+              stored = value.astype(out_gmem.dtype)
+              out_smem[wg, p % slots] = stored
+            if copies_gmem:
+              copy_smem[wg, p % slots] = scaled_f16_operand(
+                  value, lax.broadcast_in_dim(copy_scale_smem[wg, pn], value.shape, (1,)))
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                out_smem.at[wg, p % slots],
-                out_gmem.at[pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n)])
+            place = (pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n))
+            if stores_out:
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, p % slots], out_gmem.at[place])
+            for copy_gmem in copies_gmem:
+              plgpu.copy_smem_to_gmem(copy_smem.at[wg, p % slots], copy_gmem.at[place])
             if column_sums:
               term = value if column_sums == "unrounded" else stored.astype(jnp.float32)
-              running = term if pm == 0 else running + term
-              if pm == tile_m // epi_m - 1:   # the column's last piece: across warps
-                if pn == 0:
-                  plgpu.barrier_wait(turn.at[wg])
-                sums_smem[wg, pn] = jnp.sum(running, axis=0)
-          if column_sums:
+              sums = term if pm == 0 else sums + term
+            if line_maxima:
+              magnitude = jnp.abs(value)
+              maxima = magnitude if pm == 0 else jnp.maximum(maxima, magnitude)
+              row_max = jnp.max(magnitude, axis=1)   # within warps
+              row_maxima[pm] = row_max if pn == 0 else jnp.maximum(row_maxima[pm], row_max)
+            if reduces_columns and pm == tile_m // epi_m - 1:   # a column's last piece:
+              if pn == 0:                                       # across warps
+                plgpu.barrier_wait(turn.at[wg])
+              if column_sums:
+                sums_smem[wg, pn] = jnp.sum(sums, axis=0)
+              if line_maxima:
+                col_max_smem[wg, pn] = jnp.max(maxima, axis=0)
+          if reduces_columns:
             @pl.when(local + 1 < here)
             def _():
               plgpu.barrier_arrive(turn.at[1 - wg])
+            if line_maxima:
+              for pm, row_max in enumerate(row_maxima):
+                row_max_smem[wg, pm] = row_max
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                sums_smem.at[wg],
-                sums_gmem.at[lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's sums
+            row_block, col_pieces = lax.div(row0, tile_m), pl.ds(col0 // epi_n, tile_n // epi_n)
+            for lines_smem, lines_gmem in ((sums_smem, sums_gmem), (col_max_smem, col_max_gmem)):
+              if lines_gmem is not None:
+                plgpu.copy_smem_to_gmem(lines_smem.at[wg], lines_gmem.at[row_block, col_pieces])
+            if line_maxima:
+              plgpu.copy_smem_to_gmem(
+                  row_max_smem.at[wg],
+                  row_max_gmem.at[lax.div(col0, tile_n), pl.ds(row0 // epi_m, tile_m // epi_m)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # before the next block's lines
       plgpu.wait_smem_to_gmem(0)
 
 
