@@ -43,10 +43,11 @@ def copy_warpgroup_tables(tokens: int, tables=None):
       config, stages=4, copy_programs=0, copy_warpgroup=True))
 
 
-def tf32_ping_pong_tables(tokens: int, tables=None):
+def tf32_ping_pong_tables(tokens: int, tables=None, copy_warpgroup: bool = False):
   """`tables` (default: the Mosaic backward's default tables), with DEFAULT's fused product
   (its scales, line maxima and speculated copies) at S=`tokens` run ping-pong: the tile,
-  ring and pieces of the fp32 inputs' ping-pong row, its own copy programs kept."""
+  ring and pieces of the fp32 inputs' ping-pong row, its own copy programs kept, or with
+  `copy_warpgroup` its scaled side copies made by a copy warpgroup (4 ring stages)."""
   from vision_mlp_bwd.backends.mosaic import backward_sm90
   tables = tables or backward_sm90.TABLES
   ping_pong = tables.config_for(tables.pre_gelu, "fp32_inputs", 1 << 30)
@@ -54,6 +55,8 @@ def tf32_ping_pong_tables(tokens: int, tables=None):
   config = dataclasses.replace(
       ping_pong, copy_programs=tables.config_for(tables.pre_gelu, "tf32_on_f16",
                                                  tokens).copy_programs)
+  if copy_warpgroup:
+    config = dataclasses.replace(config, stages=4, copy_programs=0, copy_warpgroup=True)
   return with_pre_gelu(tables, "tf32_on_f16", config)
 
 

@@ -14,12 +14,14 @@ the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs (`--runs` pic
 bf16x3 over the inputs' pieces, `fp32-f16-copy-warpgroup`, the fused product's side
 copies by a ping-pong copy warpgroup, `tests.helpers.copy_warpgroup_tables`: S > 3072, and
 `fp32-default-ping-pong`, DEFAULT's fused product run ping-pong,
-`tests.helpers.tf32_ping_pong_tables`). XLA's autotuning of its dots under memcheck
+`tests.helpers.tf32_ping_pong_tables`, and `fp32-default-ping-pong-copy-warpgroup`, its
+scaled side copies by a copy warpgroup). XLA's autotuning of its dots under memcheck
 takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
 run, not our kernels.
 """
 
 import argparse
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +36,13 @@ RUNS = {"fp32-default": (jnp.float32, None), "fp32-f16": (jnp.float32, F16),
         "fp32-default-off-window": (jnp.float32, None),
         "fp32-highest": (jnp.float32, jax.lax.Precision.HIGHEST),
         "fp32-f16-copy-warpgroup": (jnp.float32, F16),
-        "fp32-default-ping-pong": (jnp.float32, None)}
+        "fp32-default-ping-pong": (jnp.float32, None),
+        "fp32-default-ping-pong-copy-warpgroup": (jnp.float32, None)}
 # Runs on other tables than the GPU's (`tests.helpers`), the GPU's given.
 VARIANT_TABLES = {"fp32-f16-copy-warpgroup": helpers.copy_warpgroup_tables,
-                  "fp32-default-ping-pong": helpers.tf32_ping_pong_tables}
+                  "fp32-default-ping-pong": helpers.tf32_ping_pong_tables,
+                  "fp32-default-ping-pong-copy-warpgroup": functools.partial(
+                      helpers.tf32_ping_pong_tables, copy_warpgroup=True)}
 IMPLEMENTATIONS = {"triton": ("fp32-default", "fp32-f16"),
                    "mosaic": ("fp32-default", "fp32-f16", "bf16", "fp32-highest")}
 

@@ -128,8 +128,6 @@ def test_bad_operands_and_configs_are_refused_with_clear_errors():
   assert not engine.GemmConfig(ping_pong=True).copies_beside
   with pytest.raises(ValueError, match="0 side copies with .*copy_warpgroup=True"):
     engine.matmul(a16, b16, config=copier)
-  with pytest.raises(ValueError, match="1 side copies with .*unscaled copies only"):
-    engine.matmul(a16, b16, config=copier, side_copies=[(x32, 64, scale)])
   with pytest.raises(ValueError, match="ping_pong runs whole blocks through one ring"):
     engine.GemmConfig(ping_pong=True, chained=True)
   with pytest.raises(ValueError, match="ping_pong runs whole blocks through one ring"):
@@ -326,7 +324,9 @@ def test_the_benchmarks_bound_holds_for_the_exact_product(transpose_a):
     (256, 1280, 3584, engine.GemmConfig(stages=5, epilogue_buffers=1, ping_pong=True),
      jnp.float32, True, True),
     (256, 1280, 3584, engine.GemmConfig(stages=6, epilogue_buffers=1, ping_pong=True,
-                                        copy_warpgroup=True), jnp.float32, False, True)])
+                                        copy_warpgroup=True), jnp.float32, False, True),
+    (256, 1280, 3584, engine.GemmConfig(stages=5, epilogue_buffers=1, ping_pong=True,
+                                        copy_warpgroup=True), jnp.float32, True, True)])
 def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, config,
                                                           epilogue_dtype, scaled, reduced):
   """Where Mosaic's lowering counts shared memory itself (JAX 0.10.2 refuses a kernel over
@@ -343,8 +343,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
       extra.update(row_scale=x[:, 0], col_scale=x[0])
     if reduced:   # column sums and line maxima
       extra.update(column_sums="unrounded", line_maxima=True)
-    if config.copy_warpgroup:
-      extra.update(side_copies=[(x, m)])
+    if config.copy_warpgroup:   # (scaled with the product: DEFAULT's copies)
+      extra.update(side_copies=[(x, m, *((x[0],) if scaled else ()))])
     return engine.matmul(a, b, config=config, num_programs=132, **extra)
 
   try:
@@ -356,7 +356,8 @@ def test_shared_memory_estimate_matches_mosaics_own_count(monkeypatch, m, k, n, 
     pytest.skip("this JAX's Mosaic lowering does not count shared memory")
   estimate = engine.shared_memory_bytes(config, -(-k // config.tile_k), jnp.float16,
                                         jnp.float32, False, epilogue_dtype, column_sums=reduced,
-                                        scales=scaled, line_maxima=reduced)
+                                        scales=scaled, line_maxima=reduced,
+                                        scaled_side_copies=scaled)
   assert 0 <= counted - estimate <= engine.BARRIER_SLACK_BYTES, (counted, estimate)
 
 

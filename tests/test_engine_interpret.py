@@ -245,8 +245,10 @@ def test_speculated_copies_in_interpret_mode_are_the_scaled_stored_values(case):
       np.testing.assert_array_equal(np.asarray(copy), np.asarray(want))
 
 
-@pytest.mark.parametrize("m, n, programs", [(384, 256, 2), (128, 128, 2)])
-def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(m, n, programs):
+@pytest.mark.parametrize("m, n, programs, scaled", [(384, 256, 2, False),
+                                                    (128, 128, 2, True)])
+def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(m, n, programs,
+                                                                            scaled):
   """`GemmConfig.copy_warpgroup`: the ping-pong program's fourth warpgroup makes the side
   copies while its compute warpgroups run the fused product with column sums: each fp32
   source rounded to the operands' dtype bitwise, every element written (unwritten ones
@@ -254,32 +256,48 @@ def test_a_ping_pong_copy_warpgroup_copies_bitwise_beside_the_fused_product(m, n
   than programs; the product and its sums as without copies, bitwise (their bounds are
   the ping-pong cases' above, so this one is not rerun per CPU ISA). 3 x 2 blocks on 2
   programs (3 each, alternating warpgroups); one block on 2, where one computes no block
-  and still copies.
+  and still copies, there with the first and last sources scaled (f16 operands; DEFAULT's
+  copies): f16(x * scale[0]) bitwise, and the partial rows' largest finite |x| per column
+  that of the source (a NaN and an Inf in it).
   (Copy tiles past a source's end are the GPU tests': the interpreter models no TMA
   zero fill.)"""
   k = 128
+  dtype = jnp.float16 if scaled else jnp.bfloat16
   config = C(ping_pong=True, stages=3, epilogue_buffers=1, copy_warpgroup=True)
   rows, cols = engine.COPIER_TILE
   shapes = [(7 * rows, 2 * cols), (rows, cols), (2 * rows, 3 * cols)]
   keys = jax.random.split(jax.random.key(41 + programs), 3 + len(shapes))
-  a = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-  b = jax.random.normal(keys[1], (k, n), jnp.bfloat16)
+  a = jax.random.normal(keys[0], (m, k), dtype)
+  b = jax.random.normal(keys[1], (k, n), dtype)
   x = jax.random.normal(keys[2], (m, n), jnp.float32) * 3
   sources = [jax.random.normal(key, shape, jnp.float32) * 2.0 ** 9
              for key, shape in zip(keys[3:], shapes)]
+  scales = [None] * len(sources)
+  if scaled:
+    sources[0] = sources[0].at[5, 3].set(jnp.nan).at[rows + 1, cols + 7].set(-jnp.inf)
+    scales[0], scales[2] = (jnp.array([2.0 ** e, 3.0], jnp.float32) for e in (-3, 2))
   run = lambda config, **kw: engine.matmul(
-      a, b, config=config, num_programs=programs, out_dtype=jnp.bfloat16,
+      a, b, config=config, num_programs=programs, out_dtype=dtype,
       epilogue=reference.gelu_backward, epilogue_operand=x, column_sums="unrounded",
       interpret=interpret_params.InterpretGPUParams(), **kw)
-  (out, sums), copies = run(config, side_copies=[(s, s.shape[0]) for s in sources])
+  (out, sums), copies = run(config, side_copies=[
+      (s, s.shape[0], *(() if scale is None else (scale,))) for s, scale in zip(sources, scales)])
   want_out, want_sums = run(dataclasses.replace(config, copy_warpgroup=False))
   np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
   np.testing.assert_array_equal(np.asarray(sums), np.asarray(want_sums))
   assert not np.isnan(np.asarray(out, np.float32)).any()   # every element written
   assert len(copies) == len(sources)
-  for source, copy in zip(sources, copies):
-    assert copy.dtype == jnp.bfloat16 and copy.shape == source.shape
-    np.testing.assert_array_equal(np.asarray(copy), np.asarray(source.astype(jnp.bfloat16)))
+  for source, scale, copy in zip(sources, scales, copies):
+    if scale is None:
+      assert copy.dtype == dtype and copy.shape == source.shape
+      np.testing.assert_array_equal(np.asarray(copy), np.asarray(source.astype(dtype)))
+      continue
+    copy, partial_max = copy
+    np.testing.assert_array_equal(np.asarray(copy),
+                                  np.asarray(precision.scaled_f16_operand(source, scale[0])))
+    assert partial_max.shape == (engine.copy_parts(programs, source), source.shape[1])
+    np.testing.assert_array_equal(np.asarray(partial_max).max(axis=0),
+                                  np.asarray(precision.finite_abs(source)).max(axis=0))
 
 
 def test_copy_programs_in_interpret_mode_copy_every_element_bitwise():
@@ -326,7 +344,7 @@ def test_scaled_copy_programs_in_interpret_mode_copy_bitwise_and_find_column_max
   sources[0] = sources[0].at[5, 3].set(jnp.nan).at[rows + 1, cols + 7].set(-jnp.inf)
   sources[2] = sources[2].at[rows, 2 * cols].set(jnp.inf)
   scales = [jnp.array([2.0 ** e, 3.0, -1.0], jnp.float32) for e in (5, -3, 0)]
-  parts = [engine.copy_parts(workers, x) for x in sources]
+  parts = [engine.copy_parts(3 * workers, x) for x in sources]
 
   def kernel(*refs):
     n = len(shapes)

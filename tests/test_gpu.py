@@ -292,16 +292,19 @@ def test_mosaic_pre_gelu_on_xla_within_bounds_and_repeatable(tokens, precision):
     np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
 
 
-@pytest.mark.parametrize("tokens", [333, 3333, 5003])
-def test_mosaic_default_with_a_ping_pong_fused_product(tokens):
+@pytest.mark.parametrize("tokens, copy_warpgroup", [(333, False), (3333, False),
+                                                    (5003, False), (3333, True),
+                                                    (5003, True)])
+def test_mosaic_default_with_a_ping_pong_fused_product(tokens, copy_warpgroup):
   """DEFAULT's fused product run ping-pong (`helpers.tf32_ping_pong_tables`: the
   accumulator's scales, the line maxima and the speculated f16 copies in the ping-pong
-  epilogue's pieces), ragged rows and a last partial wave: every element within its
-  bound, and bit for bit the same on a second call."""
+  epilogue's pieces; its scaled side copies by copy programs or a copy warpgroup), ragged
+  rows and a last partial wave: every element within its bound, and bit for bit the same
+  on a second call."""
   from vision_mlp_bwd.backends.mosaic import backward_sm90
   inputs = helpers.backward_inputs(tokens, 1280, 3584)
   tables = helpers.tf32_ping_pong_tables(
-      tokens, backward_sm90.tables_for(jax.devices()[0].device_kind))
+      tokens, backward_sm90.tables_for(jax.devices()[0].device_kind), copy_warpgroup)
   fn, problem = helpers.mosaic_backward_fn(tables, inputs, None)
   assert tables.configs(problem)[0].ping_pong
   outs = jax.device_get(fn(*inputs))

@@ -9,6 +9,7 @@ check.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -72,15 +73,20 @@ def test_the_whole_backward_lowers_with_the_tables_products(tokens, dtype, mode)
 
 # Tables other than the GPU's, which a GPU test or a benchmark variant runs: the fused
 # product's side copies by a ping-pong copy warpgroup (F16), and DEFAULT's fused product
-# (scales, line maxima, speculated copies) run ping-pong.
-VARIANT_TABLES = {"copy warpgroup": (DotMode.F16, helpers.copy_warpgroup_tables),
-                  "DEFAULT ping-pong": (DotMode.TF32, helpers.tf32_ping_pong_tables)}
+# (scales, line maxima, speculated copies) run ping-pong, its scaled side copies by copy
+# programs or by a copy warpgroup.
+VARIANT_TABLES = {
+    "copy warpgroup": (DotMode.F16, helpers.copy_warpgroup_tables),
+    "DEFAULT ping-pong": (DotMode.TF32, helpers.tf32_ping_pong_tables),
+    "DEFAULT ping-pong, copy warpgroup": (DotMode.TF32, functools.partial(
+        helpers.tf32_ping_pong_tables, copy_warpgroup=True))}
 
 
 @needs_lowering
 @pytest.mark.parametrize("variant, tokens", [("copy warpgroup", 3333),
                                              ("copy warpgroup", 8192),
-                                             ("DEFAULT ping-pong", 5003)])
+                                             ("DEFAULT ping-pong", 5003),
+                                             ("DEFAULT ping-pong, copy warpgroup", 8192)])
 def test_the_backward_lowers_with_variant_tables(variant, tokens):
   """The whole backward lowers at full size with each of `VARIANT_TABLES` (Mosaic's own
   shared-memory count refuses a kernel that does not fit), every product on the engine or

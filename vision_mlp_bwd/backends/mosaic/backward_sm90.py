@@ -430,10 +430,11 @@ def _tf32_backward(grad_output, hidden_state, fc1_weight, fc2_weight, fc1_output
   # scale as a vector. Then one that reduces the maxima to the scales and their
   # reciprocals, and copies again only the tiles of the lines whose maxima the speculated
   # scale does not fit (`precision.fits_speculated`). The first product's operands, the
-  # copies of grad_output and gelu_output, are written last. With copy programs, the
-  # fused product's launch makes the copies only the later products read (fc1_weight's,
-  # hidden_state's, gelu_output's) and their maxima, and they are checked after it.
-  side = pre_config.copy_programs > 0
+  # copies of grad_output and gelu_output, are written last. With copy programs (or a
+  # copy warpgroup), the fused product's launch makes the copies only the later products
+  # read (fc1_weight's, hidden_state's, gelu_output's) and their maxima, and they are
+  # checked after it.
+  side = pre_config.copies_beside
   inputs = {"fc2_weight": (fc2_weight, 0, ("columns",)),   # (input, rows, the lines it is
             "fc1_weight": (fc1_weight, 0, ("columns",)),   #  scaled along)
             "hidden_state": (hidden_state, padded, ("columns",)),

@@ -197,13 +197,14 @@ COLUMN_SUMS = (None, "stored", "unrounded")
 COPY_TILE = (32, 128)
 COPY_LOADS, COPY_STORES = 3, 2
 COPY_COLUMN_MULTIPLE = 8   # TMA: rows of the 16-bit copy in whole 16-byte units
-# A ping-pong program's copy warpgroup (`GemmConfig.copy_warpgroup`): COPIER_LOADS fp32
-# tiles of COPIER_TILE in flight and COPY_STORES 16-bit ones, as many as fit beside a
-# 4-stage ring of 128x128 blocks with one 64x64 epilogue piece (40 KB in flight: about
-# 2.5x the copy rate the fused product needs, at 2 us a round trip; benchmarks/NOTES.md,
-# 70); registers 40 (memory) + 40 (copies) + 2 x 216 (compute) = 512.
+# A ping-pong program's copy warpgroup (`GemmConfig.copy_warpgroup`): fp32 tiles of
+# COPIER_TILE in flight, as many as fit beside the product's buffers from COPIER_LOADS down
+# to MIN_COPIER_LOADS (10 beside a 4-stage ring of 128x128 blocks with one 64x64 epilogue
+# piece, 40 KB: about 2.5x the copy rate the fused product needs at 2 us a round trip; 6,
+# 1.4-1.8x; benchmarks/NOTES.md, 70), and COPY_STORES 16-bit ones; registers 40
+# (memory) + 40 (copies) + 2 x 216 (compute) = 512.
 COPIER_TILE = (8, 128)
-COPIER_LOADS = 10
+COPIER_LOADS, MIN_COPIER_LOADS = 10, 6
 COPIER_REGISTERS, COPIER_COMPUTE_REGISTERS = 40, 216
 
 
@@ -229,7 +230,8 @@ def traced(directory: str, events: int = 64):
 
 def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
                         split_tail: bool, epilogue_dtype=None, column_sums=False,
-                        scales=False, line_maxima=False, speculated_copies=False) -> int:
+                        scales=False, line_maxima=False, speculated_copies=False,
+                        copier_loads: int = COPIER_LOADS, scaled_side_copies=False) -> int:
   """Shared memory one program allocates: the operand ring plus the epilogue buffers, each
   buffer aligned to SMEM_ALIGNMENT_BYTES as Pallas places them.
 
@@ -261,8 +263,10 @@ def shared_memory_bytes(config: GemmConfig, k_steps: int, dtype, out_dtype,
     buffers.append(REDUCTION_SCRATCH_BYTES)
   if config.copy_warpgroup:           # its fp32 tiles and their 16-bit copies
     copier_tile = COPIER_TILE[0] * COPIER_TILE[1]
-    buffers += [COPIER_LOADS * copier_tile * 4,
+    buffers += [copier_loads * copier_tile * 4,
                 COPY_STORES * copier_tile * jnp.dtype(dtype).itemsize]
+    if scaled_side_copies:            # a strip's column maxima
+      buffers.append(COPIER_TILE[1] * 4)
   return sum(-(-size // SMEM_ALIGNMENT_BYTES) * SMEM_ALIGNMENT_BYTES for size in buffers)
 
 
@@ -454,12 +458,11 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
       raise ValueError(f"matmul: epilogue_operand has shape {epilogue_operand.shape} and dtype "
                        f"{epilogue_operand.dtype}; expected [M' <= {m}, {n}].")
   side_copies = tuple(side_copies)
-  if bool(side_copies) != config.copies_beside or config.copy_warpgroup and any(
-      len(side) == 3 for side in side_copies):
+  if bool(side_copies) != config.copies_beside:
     raise ValueError(f"matmul: {len(side_copies)} side copies with GemmConfig.copy_programs="
                      f"{config.copy_programs}, copy_warpgroup={config.copy_warpgroup}; side "
-                     "copies need copy programs or a copy warpgroup (unscaled copies only), "
-                     "and those need side copies.")
+                     "copies need copy programs or a copy warpgroup, and those need side "
+                     "copies.")
   for i, (x, rows, *scale) in enumerate(side_copies):
     if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] % COPY_COLUMN_MULTIPLE or rows < 1:
       raise ValueError(f"matmul: side_copies[{i}] is {x.dtype} {x.shape} to {rows} rows; "
@@ -475,10 +478,16 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     raise ValueError(f"matmul: GemmConfig.copy_programs={config.copy_programs} leaves no "
                      f"program of {programs} for the product.")
   plan = schedule(m, n, k, config, programs - config.copy_programs)
-  smem = shared_memory_bytes(config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
-                             None if epilogue is None else epilogue_operand.dtype,
-                             column_sums is not None, row_scale is not None, line_maxima,
-                             speculated_copies > 0)
+  scaled_copies = [i for i, side in enumerate(side_copies) if len(side) == 3]
+  smem_with = lambda loads: shared_memory_bytes(
+      config, plan.k_steps, a.dtype, out_dtype, plan.splits > 1,
+      None if epilogue is None else epilogue_operand.dtype, column_sums is not None,
+      row_scale is not None, line_maxima, speculated_copies > 0, loads, bool(scaled_copies))
+  copier_loads = COPIER_LOADS if config.copy_warpgroup else 0
+  while (copier_loads > MIN_COPIER_LOADS
+         and smem_with(copier_loads) > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES):
+    copier_loads -= 1
+  smem = smem_with(copier_loads)
   if config.copy_programs:   # copy programs' buffers: after the product's, in its space
     smem = max(smem, copy_shared_memory_bytes(a.dtype))
   if smem > SHARED_MEMORY_BYTES - BARRIER_SLACK_BYTES:
@@ -493,6 +502,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
                              line_maxima=line_maxima, speculated_copies=speculated_copies,
                              stores_out=out_dtype is not None,
                              side_copies=tuple(len(side) == 3 for side in side_copies),
+                             copier_loads=copier_loads,
                              copy_programs=config.copy_programs)
   out_types = [] if out_dtype is None else [jax.ShapeDtypeStruct((out_rows or m, n), out_dtype)]
   out_types += [jax.ShapeDtypeStruct((out_rows or m, n), jnp.float16)] * speculated_copies
@@ -512,8 +522,8 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
     out_types.append(jax.ShapeDtypeStruct(
         (plan.tail * plan.splits, block_m, block_n), jnp.float32))
   out_types += [jax.ShapeDtypeStruct((rows, x.shape[1]), a.dtype) for x, rows, *_ in side_copies]
-  scaled_copies = [i for i, side in enumerate(side_copies) if len(side) == 3]
-  out_types += [jax.ShapeDtypeStruct((copy_parts(config.copy_programs, side_copies[i][0]),
+  out_types += [jax.ShapeDtypeStruct((copy_parts(copy_lanes(config, plan.programs),
+                                                 side_copies[i][0]),
                                       side_copies[i][0].shape[1]), jnp.float32)
                 for i in scaled_copies]
   outs = plgpu.kernel(
@@ -602,7 +612,7 @@ def _tail_job(out, plan: Schedule, block) -> staging.TailSum:
 def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: Schedule,
             epilogue: Callable | None, column_sums: str | None, scaled: bool,
             line_maxima: bool, speculated_copies: int, stores_out: bool,
-            side_copies: tuple[bool, ...], copy_programs: int):
+            side_copies: tuple[bool, ...], copy_programs: int, copier_loads: int):
   refs = list(refs)   # inputs after a and b, then outputs, in `matmul`'s order
   operand_gmem = refs.pop(0) if epilogue is not None else None
   row_scale_gmem, col_scale_gmem = (refs.pop(0), refs.pop(0)) if scaled else (None, None)
@@ -627,8 +637,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: GemmConfig, transpose_a: bool, plan: 
                        copy_scale_gmem, *refs, config=config, plan=plan,
                        epilogue=epilogue, column_sums=column_sums, line_maxima=line_maxima,
                        speculated_copies=speculated_copies, stores_out=stores_out,
-                       side_copies=tuple(zip(side_sources, side_targets))
-                       if config.copy_warpgroup else ())
+                       side_copies=tuple(zip(side_sources, side_targets, scales, maxima))
+                       if config.copy_warpgroup else (), copier_loads=copier_loads)
   else:
     _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config=config, transpose_a=transpose_a,
@@ -912,7 +922,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
 def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                        copy_scale_gmem, *refs, config: GemmConfig, plan: Schedule,
                        epilogue: Callable | None, column_sums: str | None, line_maxima: bool,
-                       speculated_copies: int, stores_out: bool, side_copies=()):
+                       speculated_copies: int, stores_out: bool, side_copies=(),
+                       copier_loads: int = 0):
   """One program's blocks of a ping-pong product (`GemmConfig.ping_pong`), as CUTLASS's
   ping-pong kernels run them: the memory warpgroup streams the program's blocks in order
   through one ring (block j's steps, then block j + 1's), and block j is compute
@@ -926,9 +937,10 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
   warps, the warpgroups taking turns at Pallas's one reduction scratch (written
   `[row blocks, N / piece columns, piece columns]`; the row maxima `[column blocks, M /
   piece rows, piece rows]`, `copy_scale_gmem` read `[N / piece columns, piece columns]`).
-  With `config.copy_warpgroup`, a fourth warpgroup copies `side_copies` ((fp32 source,
-  16-bit target) pairs) meanwhile: program p takes the `COPIER_TILE` tiles p, p + P, ...
-  of each."""
+  With `config.copy_warpgroup`, a fourth warpgroup makes `side_copies` ((fp32 source,
+  16-bit target, scale or None, partial maxima or None)) meanwhile, `copier_loads` tiles
+  in flight: program p takes the `COPIER_TILE` tiles p, p + P, ... of an unscaled one, and
+  is lane p of a scaled one (`_scaled_copy_share`)."""
   out_gmem, copies_gmem, sums_gmem, col_max_gmem, row_max_gmem, _ = _product_outputs(
       refs, stores_out, speculated_copies, column_sums, line_maxima)
   dtype = a_gmem.dtype
@@ -987,16 +999,18 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
     scratch.update(turn=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if config.copy_warpgroup:
     scratch.update(
-        copy_loaded=plgpu.SMEM((COPIER_LOADS, *COPIER_TILE), jnp.float32),
+        copy_loaded=plgpu.SMEM((copier_loads, *COPIER_TILE), jnp.float32),
         copy_rounded=plgpu.SMEM((COPY_STORES, *COPIER_TILE), dtype),
-        copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=COPIER_LOADS))
+        copy_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=copier_loads))
+    if any(scale is not None for _, _, scale, _ in side_copies):
+      scratch.update(copy_largest=plgpu.SMEM((1, COPIER_TILE[1]), jnp.float32))
 
   @functools.partial(pl.run_scoped, **scratch, collective_axes="wg")
   def _scope(a_smem, b_smem, a_full, b_full, consumed, out_smem=None, copy_smem=None,
              copy_scale_smem=None, copy_scale_arrived=None, row_scale_smem=None,
              col_scale_smem=None, scales_arrived=None, operand_smem=None, operand_full=None,
              sums_smem=None, col_max_smem=None, row_max_smem=None, turn=None,
-             copy_loaded=None, copy_rounded=None, copy_arrived=None):
+             copy_loaded=None, copy_rounded=None, copy_arrived=None, copy_largest=None):
     wg = lax.axis_index("wg")
 
     if config.copy_warpgroup:
@@ -1004,9 +1018,13 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
       def _copies():
         plgpu.set_max_registers(COPIER_REGISTERS, action="decrease")
         stored = jnp.int32(0)
-        for source, target in side_copies:
-          stored = _copy_share(source, target, program, plan.programs, stored, copy_loaded,
-                               copy_rounded, copy_arrived, 0)
+        for source, target, scale, partial_max in side_copies:
+          buffers = (copy_loaded, copy_rounded, copy_arrived, 0)
+          if scale is None:
+            stored = _copy_share(source, target, program, plan.programs, stored, *buffers)
+          else:
+            stored = _scaled_copy_share(source, target, scale, partial_max, program,
+                                        plan.programs, stored, *buffers, copy_largest)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
@@ -1188,10 +1206,16 @@ def _strided_loop(count: int, first, stride: int):
 
 
 
-def copy_parts(copy_programs: int, x) -> int:
-  """Partial rows of a scaled side copy's column maxima: the copy programs' lanes (3 each)
-  per column strip of `COPY_TILE` tiles, at least 1."""
-  return max(1, 3 * copy_programs // pl.cdiv(x.shape[1], COPY_TILE[1]))
+def copy_lanes(config: GemmConfig, programs: int) -> int:
+  """Warpgroups that make a product's side copies: each copy program's 3, or a copy
+  warpgroup in each of the product's `programs`."""
+  return 3 * config.copy_programs if config.copy_programs else programs
+
+
+def copy_parts(lanes: int, x) -> int:
+  """Partial rows of a scaled side copy's column maxima: its copying `lanes` per column
+  strip of 128 columns (`COPY_TILE`'s and `COPIER_TILE`'s), at least 1."""
+  return max(1, lanes // pl.cdiv(x.shape[1], COPY_TILE[1]))
 
 
 def _copy_run(source, target, first, stride, count, stored, loaded, rounded, arrived,
@@ -1249,6 +1273,38 @@ def _copy_share(source, target, lane, lanes, stored, loaded, rounded, arrived,
   return stored
 
 
+def _scaled_copy_share(source, target, scale, partial_max, lane, lanes, stored, loaded,
+                       rounded, arrived, first_barrier, largest):
+  """Lane `lane` of `lanes`' share of a scaled copy, f16(x * scale[0]), and of its largest
+  finite |x| per column, left as the P rows of `partial_max` ([P, C]): lane p of a column
+  strip's P lanes copies the strip's row tiles p, p + P, ... by `_copy_run` and writes row
+  p of the strip (through `largest`, [1, columns]); returns the lane's stores so far."""
+  _, rows, cols = loaded.shape
+  tiles_m, tiles_n = pl.cdiv(target.shape[0], rows), pl.cdiv(target.shape[1], cols)
+  parts = partial_max.shape[0]
+  groups, part, group = lanes // parts, lane % parts, lane // parts
+  factor = scale[0]
+
+  def strip(j, stored):
+    c = group + j * groups
+    stored, running = _copy_run(source, target, part * tiles_n + c, parts * tiles_n,
+                                _count_here(tiles_m, part, parts), stored, loaded, rounded,
+                                arrived, first_barrier, factor)
+    # The strip's rows of maxima to one, through shared memory (no cross-warp reduction:
+    # Pallas gives those one scratch buffer, which other warpgroups may be using).
+    loaded[0] = running
+    plgpu.commit_smem()
+    top = loaded[0, 0]
+    for r in range(1, rows):
+      top = jnp.maximum(top, loaded[0, r])
+    largest[0] = top
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(largest, partial_max.at[pl.ds(part, 1), pl.ds(c * cols, cols)])
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return stored
+  return lax.fori_loop(0, _count_here(tiles_n, group, groups), strip, stored)
+
+
 def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=None,
                 maxima=None):
   """The copy programs' work (`workers` programs from `first_program` on; the others
@@ -1257,10 +1313,9 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=No
   and drops tiles past the target's end).
 
   A source with a scale (`scales[i]`, an fp32 vector whose first element is a power of
-  two; `maxima[i]` `[P, C]` with it) is copied as f16(x * scale), and its largest finite
-  |x| per column is left as P partial rows: lane p of a column strip's P lanes copies the
-  strip's row tiles p, p + P, ... and writes row p of the strip. Other sources go to the
-  lanes tile by tile (every (3 workers)-th tile in row-major order)."""
+  two; `maxima[i]` `[P, C]` with it) is copied as f16(x * scale) with its column maxima
+  (`_scaled_copy_share`). Other sources go to the lanes tile by tile (every (3
+  workers)-th tile in row-major order)."""
   rows, cols = COPY_TILE
   scales = scales or [None] * len(sources)
   maxima = maxima or [None] * len(sources)
@@ -1275,39 +1330,11 @@ def _copy_tiles(sources, targets, *, first_program: int, workers: int, scales=No
   def _scope(loaded, rounded, largest, arrived):
     wg, worker = lax.axis_index("wg"), lax.axis_index("program") - first_program
     lane, lanes = worker * 3 + wg, workers * 3
-
-    def copy_run(source, target, first, stride, count, stored, scale=None):
-      return _copy_run(source, target, first, stride, count, stored, loaded.at[wg],
-                       rounded.at[wg], arrived, wg * COPY_LOADS, scale)
-
+    buffers = (loaded.at[wg], rounded.at[wg], arrived, wg * COPY_LOADS)
     stored = jnp.int32(0)
     for source, target, scale, partial_max in zip(sources, targets, scales, maxima):
       if scale is None:
-        stored = _copy_share(source, target, lane, lanes, stored, loaded.at[wg],
-                             rounded.at[wg], arrived, wg * COPY_LOADS)
-        continue
-      tiles_m, tiles_n = pl.cdiv(target.shape[0], rows), pl.cdiv(target.shape[1], cols)
-      parts = partial_max.shape[0]
-      groups, part, group = lanes // parts, lane % parts, lane // parts
-      factor = scale[0]
-
-      def strip(j, stored, source=source, target=target, partial_max=partial_max,
-                tiles_m=tiles_m, tiles_n=tiles_n, parts=parts, groups=groups, part=part,
-                group=group, factor=factor):
-        c = group + j * groups
-        stored, running = copy_run(source, target, part * tiles_n + c, parts * tiles_n,
-                                   _count_here(tiles_m, part, parts), stored, factor)
-        # The strip's 32 rows of maxima to one, through shared memory (no cross-warp
-        # reduction: Pallas gives those one scratch buffer, which 3 lanes would share).
-        loaded[wg, 0] = running
-        plgpu.commit_smem()
-        top = loaded[wg, 0, 0]
-        for r in range(1, rows):
-          top = jnp.maximum(top, loaded[wg, 0, r])
-        largest[wg, 0] = top
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(largest.at[wg],
-                                partial_max.at[pl.ds(part, 1), pl.ds(c * cols, cols)])
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return stored
-      stored = lax.fori_loop(0, _count_here(tiles_n, group, groups), strip, stored)
+        stored = _copy_share(source, target, lane, lanes, stored, *buffers)
+      else:
+        stored = _scaled_copy_share(source, target, scale, partial_max, lane, lanes, stored,
+                                    *buffers, largest.at[wg])
