@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from vision_mlp_bwd.problem import BACKWARD_ARGS
+
 CONTRACT_PATH = pathlib.Path(__file__).parent / "contract" / "sol_execbench_022.json"
 CONTRACT = json.loads(CONTRACT_PATH.read_text())
 
@@ -42,8 +44,7 @@ PRECISIONS = {
 # Precisions that claim the SOL-ExecBench tolerance (bf16 does not).
 SOL_PRECISIONS = ("default", "f16", "highest")
 
-INPUT_NAMES = ("grad_output", "hidden_state", "fc1_weight", "fc1_bias", "fc2_weight",
-               "fc2_bias", "fc1_output", "gelu_output")
+INPUT_NAMES = BACKWARD_ARGS
 
 
 def make_inputs(key, seq_len: int, hidden: int = HIDDEN, intermediate: int = INTERMEDIATE):

@@ -18,12 +18,12 @@ from jax import lax
 
 from benchmarks.cases import CASES
 from vision_mlp_bwd import reference
+from vision_mlp_bwd.problem import GRADIENTS
 
 RTOL = 1e-5
 MIN_PASS_FRACTION = 0.99
 HIGHEST_MAX_REL_FROBENIUS = 1e-5
-OUTPUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
-                "grad_fc2_bias")
+OUTPUT_NAMES = GRADIENTS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -68,9 +68,7 @@ import numpy as np
 
 from vision_mlp_bwd.precision import (SPECULATED_SCALE, DotMode, canonicalize,
                                       sample_speculated_scale)
-
-OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
-             "grad_fc2_bias")
+from vision_mlp_bwd.problem import GRADIENTS as OUT_NAMES
 
 # --- unit roundoffs -------------------------------------------------------------------------
 

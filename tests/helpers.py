@@ -16,11 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests import bounds
-
-ARG_NAMES = ("grad_output", "hidden_state", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias",
-             "fc1_output", "gelu_output")
-OUT_NAMES = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
-             "grad_fc2_bias")
+from vision_mlp_bwd.problem import BACKWARD_ARGS as ARG_NAMES, GRADIENTS as OUT_NAMES
 
 _seeds = itertools.count(1234)
 

@@ -86,8 +86,8 @@ def test_backward_configs_times_each_variant_of_one_table_entry(tmp_path, monkey
                          "--variants", "{}", '{"stages": 3}', "--out", str(tmp_path)])
   [record] = list(tmp_path.glob("backward_configs_*.json"))
   rows = json.loads(record.read_text())["rows"]
-  assert [(r["seq_len"], r["variant"], r["bitwise_same_as_first"]) for r in rows] == [
-      (8, {}, True), (8, {"stages": 3}, True)]
+  assert [(r["seq_len"], r["variant"], r["bitwise_same_as_first"], r["differing_from_first"])
+          for r in rows] == [(8, {}, True, []), (8, {"stages": 3}, True, [])]
   table = backward_sm90.TABLES.pre_gelu["tf32_on_f16"][0][1]
   first, second = seen[:len(seen) // 2], seen[len(seen) // 2:]   # one trace per variant
   assert [config for fused, config in first if fused] == [table]

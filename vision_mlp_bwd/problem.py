@@ -15,6 +15,11 @@ import numpy as np
 from vision_mlp_bwd.precision import DotMode, for_inputs
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# `mlp_backward`'s arguments and the gradients it returns, in the SOL-ExecBench contract's order.
+BACKWARD_ARGS = ("grad_output", "hidden_state", "fc1_weight", "fc1_bias", "fc2_weight",
+                 "fc2_bias", "fc1_output", "gelu_output")
+GRADIENTS = ("grad_hidden_state", "grad_fc1_weight", "grad_fc1_bias", "grad_fc2_weight",
+             "grad_fc2_bias")
 
 
 @dataclasses.dataclass(frozen=True)
