@@ -1155,6 +1155,8 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
                 sums_smem[wg, pn] = jnp.sum(sums, axis=0)
               if line_maxima:
                 col_max_smem[wg, pn] = jnp.max(maxima, axis=0)
+          if len(pieces) % slots:   # the next block's first piece takes the buffer whose
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # stores this block ended on
           if reduces_columns:
             @pl.when(local + 1 < here)
             def _():
