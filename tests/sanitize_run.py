@@ -9,15 +9,16 @@
 
 The Triton backend runs on fp32 inputs at the default precision and under
 F16_F16_F32; the Mosaic backend on fp32 inputs at the default precision (TF32 on
-the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs (`--runs` picks some:
-`fp32-default`, `fp32-f16`, `bf16`, `fp32-default-off-window`, `fp32-highest`,
-bf16x3 over the inputs' pieces, `fp32-f16-copy-warpgroup`, the fused product's side
-copies by a ping-pong copy warpgroup, `tests.helpers.copy_warpgroup_tables`: S > 3072, and
-`fp32-default-ping-pong`, DEFAULT's fused product run ping-pong,
-`tests.helpers.tf32_ping_pong_tables`, and `fp32-default-ping-pong-copy-warpgroup`, its
-scaled side copies by a copy warpgroup). XLA's autotuning of its dots under memcheck
-takes minutes at S ~ 1000: turning it off (above) changes which cuBLAS kernels
-run, not our kernels.
+the f16 engine), under F16_F16_F32 and HIGHEST, and on bf16 inputs. `--runs` picks some:
+- `fp32-default`, `fp32-f16`, `bf16`, `fp32-highest` (bf16x3 over the inputs' pieces);
+- `fp32-default-off-window`: DEFAULT's checked scales copying tiles again;
+- on other tables than the GPU's (`tests.helpers`): `fp32-f16-copy-warpgroup` (the fused
+  product's side copies by a ping-pong copy warpgroup; S > 3072), `fp32-default-ping-pong`
+  (DEFAULT's fused product run ping-pong) and `fp32-default-ping-pong-copy-warpgroup`
+  (its scaled side copies by a copy warpgroup too).
+
+XLA's autotuning of its dots under memcheck takes minutes at S ~ 1000: turning it off
+(above) changes which cuBLAS kernels run, not our kernels.
 """
 
 import argparse
