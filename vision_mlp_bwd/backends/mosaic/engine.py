@@ -390,8 +390,7 @@ def matmul(a, b, *, transpose_a: bool = False, out_dtype=jnp.float32,
   (x fp32 `[R, C]`), are copied to the operands' dtype with `rows` rows (zeros past R) by
   `config.copy_programs` programs of the same launch while the others compute the product
   (see `_copy_tiles`), or with `config.copy_warpgroup` by a fourth warpgroup of every
-  ping-pong program (unscaled copies only); the result is then `(product's result,
-  copies)`. A triple
+  ping-pong program; the result is then `(product's result, copies)`. A triple
   `(x, rows, scale)` (f16 operands; `scale` an fp32 vector, a `staging.SpeculatedScale`,
   whose first element is a power of two) is copied as
   `precision.scaled_f16_operand(x, scale[0])`, and its copy comes as `(copy, partial
@@ -661,6 +660,26 @@ def _product_outputs(refs, stores_out: bool, speculated_copies: int, column_sums
   return out, copies, sums, col_max, row_max, refs
 
 
+def _copy_pieces_smem(slots: int, epilogue_tile, rows: int):
+  """Each compute warpgroup's `slots` shared-memory pieces of the speculated f16 copies,
+  swizzled as wide as a piece's rows (`rows`: the copies' `tma_tile_rows`)."""
+  epi_m, epi_n = epilogue_tile
+  return plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float16,
+                    transforms=swizzled_tiles(jnp.float16, rows, min(SWIZZLE, 2 * epi_n)))
+
+
+def _times_line_scales(x, row_scale, col_scale):
+  """`x` times its rows' scales, then its columns' (the TF32 products' unscaling).
+  (broadcast_in_dim, not [:, None]: Mosaic's layout inference takes only the former.)"""
+  return (x * lax.broadcast_in_dim(row_scale, x.shape, (0,))
+          * lax.broadcast_in_dim(col_scale, x.shape, (1,)))
+
+
+def _speculated_copy(value, copy_scale):
+  """The f16 copy of `value` at its columns' speculated scales (`copy_scale`, a vector)."""
+  return scaled_f16_operand(value, lax.broadcast_in_dim(copy_scale, value.shape, (1,)))
+
+
 def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gmem,
                      copy_scale_gmem, *refs, config: GemmConfig, transpose_a: bool,
                      plan: Schedule, epilogue: Callable | None, column_sums: str | None,
@@ -696,10 +715,8 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         operand_smem=plgpu.SMEM((2, tile_m, tile_n), operand_gmem.dtype,
                                 transforms=swizzled_tiles(operand_gmem.dtype, operand_rows)),
         operand_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
-  if copies_gmem:   # rows of one piece: a swizzle as wide as they are
-    extra_smem.update(copy_smem=plgpu.SMEM(
-        (2, slots, epi_m, epi_n), jnp.float16,
-        transforms=swizzled_tiles(jnp.float16, out_tile_rows, min(SWIZZLE, 2 * epi_n))),
+  if copies_gmem:
+    extra_smem.update(copy_smem=_copy_pieces_smem(slots, config.epilogue_tile, out_tile_rows),
         copy_scale_smem=plgpu.SMEM((2, tile_n), jnp.float32),
         copy_scale_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if scaled:   # scales_arrived[w]: warpgroup w's row scales; [2 + w]: its column scales
@@ -785,9 +802,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
       if scaled:
         plgpu.barrier_wait(scales_arrived.at[wg])
         plgpu.barrier_wait(scales_arrived.at[2 + wg])
-        # (broadcast_in_dim, not [:, None]: the layout inference takes only the former)
-        acc = value = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
-                       * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
+        acc = value = _times_line_scales(acc, row_scale_smem[wg], col_scale_smem[wg])
       if partial_index is None:
         out, smem = (None, None) if out_gmem is None else (
             out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)], out_smem)
@@ -828,8 +843,7 @@ def _product_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_gme
         store_in_pieces(acc, smem, [out])
       if copies_gmem:   # the same values scaled to f16, to every copy
         plgpu.barrier_wait(copy_scale_arrived.at[wg])
-        copy = scaled_f16_operand(
-            value, lax.broadcast_in_dim(copy_scale_smem[wg], value.shape, (1,)))
+        copy = _speculated_copy(value, copy_scale_smem[wg])
         tile = (pl.ds(row0, tile_m), pl.ds(col0, tile_n))
         store_in_pieces(copy, copy_smem, [copy_gmem.at[tile] for copy_gmem in copies_gmem])
       if reduces_columns:
@@ -973,11 +987,9 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
   if stores_out:
     scratch.update(out_smem=plgpu.SMEM((2, slots, epi_m, epi_n), out_gmem.dtype,
                                        transforms=swizzled_tiles(out_gmem.dtype, out_tile_rows)))
-  if copies_gmem:   # rows of one piece: a swizzle as wide as they are
+  if copies_gmem:
     scratch.update(
-        copy_smem=plgpu.SMEM((2, slots, epi_m, epi_n), jnp.float16,
-                             transforms=swizzled_tiles(jnp.float16, out_tile_rows,
-                                                       min(SWIZZLE, 2 * epi_n))),
+        copy_smem=_copy_pieces_smem(slots, config.epilogue_tile, out_tile_rows),
         copy_scale_smem=plgpu.SMEM((2, tile_n // epi_n, epi_n), jnp.float32),
         copy_scale_arrived=plgpu.Barrier(num_arrivals=1, num_barriers=2))
   if scaled:   # scales_arrived[w]: warpgroup w's row scales; [2 + w]: its column scales
@@ -1109,11 +1121,10 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
         with jax.named_scope("mainloop"):
           acc = pl.run_scoped(accumulate, plgpu.ACC((tile_m, tile_n), jnp.float32))
         with jax.named_scope("epilogue"):
-          if scaled:   # (broadcast_in_dim: the layout inference takes it, not [:, None])
+          if scaled:
             plgpu.barrier_wait(scales_arrived.at[wg])
             plgpu.barrier_wait(scales_arrived.at[2 + wg])
-            acc = (acc * lax.broadcast_in_dim(row_scale_smem[wg], acc.shape, (0,))
-                   * lax.broadcast_in_dim(col_scale_smem[wg], acc.shape, (1,)))
+            acc = _times_line_scales(acc, row_scale_smem[wg], col_scale_smem[wg])
           if copies_gmem:
             plgpu.barrier_wait(copy_scale_arrived.at[wg])
           sums, maxima, row_maxima = None, None, [None] * (tile_m // epi_m)
@@ -1132,8 +1143,7 @@ def _ping_pong_program(a_gmem, b_gmem, operand_gmem, row_scale_gmem, col_scale_g
               stored = value.astype(out_gmem.dtype)
               out_smem[wg, p % slots] = stored
             if copies_gmem:
-              copy_smem[wg, p % slots] = scaled_f16_operand(
-                  value, lax.broadcast_in_dim(copy_scale_smem[wg, pn], value.shape, (1,)))
+              copy_smem[wg, p % slots] = _speculated_copy(value, copy_scale_smem[wg, pn])
             plgpu.commit_smem()
             place = (pl.ds(row0 + pm * epi_m, epi_m), pl.ds(col0 + pn * epi_n, epi_n))
             if stores_out:
@@ -1205,7 +1215,6 @@ def _strided_loop(count: int, first, stride: int):
       return carry
     lax.fori_loop(0, _count_here(count, first, stride), step, None)
   return decorator
-
 
 
 def copy_lanes(config: GemmConfig, programs: int) -> int:
